@@ -1,0 +1,91 @@
+"""The ``anna`` command. Engine flags are generated from ServeSettings, so every tunable has a
+flag, an ``ANNA_*`` variable and a default, all shown by ``--help``."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import sys
+
+from anna.core.config import PROFILE, ServeSettings, env_name, field_type, settings_fields
+
+
+def add_settings_flags(parser: argparse.ArgumentParser, skip: set[str] = frozenset()) -> None:
+    group = parser.add_argument_group("engine settings (flag > ANNA_* environment variable > default)")
+    for f in settings_fields():
+        if f.name in skip or not f.metadata.get("cli", True):
+            continue
+        default = f.metadata["default"]
+        shown = "from --scheduler-profile" if default is PROFILE else repr(default)
+        help_text = f"{f.metadata['help']} [default: {shown}; env: {env_name(f)}]"
+        flag = "--" + f.name.replace("_", "-")
+        typ = field_type(f)
+        if typ is bool:
+            group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+        else:
+            group.add_argument(flag, dest=f.name, type=typ, default=None, choices=f.metadata.get("choices"),
+                               help=help_text, metavar=None if f.metadata.get("choices") else f.name.upper())
+
+
+def settings_from_args(args: argparse.Namespace) -> ServeSettings:
+    return ServeSettings(**{f.name: getattr(args, f.name, None) for f in dataclasses.fields(ServeSettings)})
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from anna.core.sampling_params import SamplingParams
+    from anna.runtime.engine import LLMEngine
+
+    if args.model_pos:
+        args.model = args.model_pos
+    engine = LLMEngine(settings_from_args(args).resolve(), show_progress=not args.quiet)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.sampling_seed, ignore_eos=args.ignore_eos,
+                            stop=args.stop or None)
+    engine.add_request("cli", args.prompt, params)
+    printed = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            text = out.outputs[0].text
+            sys.stdout.write(text[printed:])
+            sys.stdout.flush()
+            printed = len(text)
+    sys.stdout.write("\n")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="anna", description="Anna: an LLM inference server.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="Complete one prompt and print the text.",
+                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    gen.add_argument("model_pos", nargs="?", metavar="MODEL", help="Model directory (default: the demo model).")
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--sampling-seed", type=int, default=None)
+    gen.add_argument("--stop", action="append")
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--quiet", action="store_true", help="No progress bars or logs.")
+    add_settings_flags(gen)
+    gen.set_defaults(func=cmd_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    level = "warning" if getattr(args, "quiet", False) else (args.log_level or "info")
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except ValueError as exc:  # configuration and input errors: one clear line, no traceback
+        print(f"anna: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,194 @@
+"""Every tunable of Anna in one place, and the one resolver that fills them in.
+
+Each field of :class:`ServeSettings` defaults to ``None`` ("not set"). :func:`resolve_settings`
+fills every unset field from, in order: an explicit value (CLI flag or keyword argument),
+the ``ANNA_<FIELD>`` environment variable, the scheduler profile, the built-in default.
+Nothing else in Anna reads the environment.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+ENV_PREFIX = "ANNA_"
+
+# Scheduler profiles: named sets of defaults, each overridable by its own field.
+SCHEDULER_PROFILES: dict[str, dict[str, Any]] = {
+    "throughput": {
+        "prefill_interval_steps": 4,
+        "scheduler_event_driven_prefill_insert": True,
+        "skip_batch_wait_when_idle": True,
+        "batch_wait_ms": 2.0,
+        "long_prefill_token_threshold": 512,
+    },
+    "interactive": {
+        "prefill_interval_steps": 1,
+        "scheduler_event_driven_prefill_insert": False,
+        "skip_batch_wait_when_idle": True,
+        "batch_wait_ms": 0.0,
+        "long_prefill_token_threshold": 256,
+    },
+}
+
+
+def _setting(default: Any, help: str, *, choices: tuple | None = None, env: str | None = None,
+             cli: bool = True) -> Any:
+    """A ServeSettings field: unset (None) until resolved; ``default`` is the built-in value."""
+    return field(default=None, metadata={"default": default, "help": help, "choices": choices,
+                                         "env": env, "cli": cli})
+
+
+PROFILE = object()  # marker: the built-in default comes from the scheduler profile
+
+
+@dataclass
+class ServeSettings:
+    """Engine and server settings. ``None`` means "use the env variable or the built-in default"."""
+
+    # Model and device
+    model: str | None = _setting(None, "Model directory (Hugging Face layout). Default: the built-in demo model.")
+    served_model_name: str | None = _setting(None, "Model name reported by the API (default: the model path).")
+    tokenizer: str | None = _setting(None, "Tokenizer directory (default: the model directory).")
+    dtype: str | None = _setting("auto", "Weight and activation dtype; auto = the checkpoint's.",
+                                 choices=("auto", "bfloat16", "float16", "float32"))
+    device: str | None = _setting("auto", "Device to run on; auto picks cuda, then xpu, then cpu.",
+                                  choices=("auto", "cpu", "cuda", "xpu"))
+    seed: int | None = _setting(0, "Seed of the sampler for requests that give no seed of their own.")
+    cache_dir: str | None = _setting("~/.cache/anna", "Where Anna keeps the demo model and other caches.")
+    memory_utilization: float | None = _setting(
+        0.9, "Fraction of GPU memory Anna may use (weights, activations and KV cache).")
+    max_model_len: int | None = _setting(0, "Longest sequence (prompt + output); 0 = the model's max_position_embeddings.")
+    weight_load_pipeline_workers: int | None = _setting(
+        2, "Background threads that pre-read the next checkpoint shards while the current one is copied.")
+    quantization: str | None = _setting("none", "Weight-only quantization applied at load time.",
+                                        choices=("none",))
+
+    # KV cache
+    block_size: int | None = _setting(16, "Tokens per KV cache block.")
+    kv_cache_memory: float | None = _setting(
+        0.0, "KV cache budget in GiB; 0 = automatic (a fraction of free device memory, on CPU of available RAM).")
+    num_gpu_blocks_override: int | None = _setting(0, "Exact number of KV blocks (overrides the memory budget); 0 = off.")
+    enable_prefix_caching: bool | None = _setting(True, "Share full KV blocks between requests with the same prefix.")
+
+    # Scheduler
+    max_num_seqs: int | None = _setting(64, "Most requests running in one step.")
+    max_num_batched_tokens: int | None = _setting(2048, "Token budget of one step (prefill chunks + decodes).")
+    scheduler_profile: str | None = _setting("throughput", "Named set of scheduler defaults.",
+                                             choices=tuple(SCHEDULER_PROFILES))
+    prefill_interval_steps: int | None = _setting(PROFILE, "Decode steps that may pass before waiting prefills are admitted.")
+    scheduler_event_driven_prefill_insert: bool | None = _setting(
+        PROFILE, "Admit waiting requests right after the current decode step instead of waiting for the interval.")
+    skip_batch_wait_when_idle: bool | None = _setting(
+        PROFILE, "When nothing runs, start a new request at once instead of waiting to coalesce a batch.")
+    batch_wait_ms: float | None = _setting(PROFILE, "How long an idle engine waits to coalesce new requests into a batch.")
+    long_prefill_token_threshold: int | None = _setting(
+        PROFILE, "Most prompt tokens one request prefills in a step while others are decoding (the chunk size).")
+
+    # Server
+    host: str | None = _setting("127.0.0.1", "Address the HTTP server listens on.")
+    port: int | None = _setting(8000, "Port the HTTP server listens on.")
+    api_key: str | None = _setting("", "If set, every route but /health needs 'Authorization: Bearer KEY'.")
+    log_level: str | None = _setting("info", "Logging level.", choices=("debug", "info", "warning", "error"))
+
+    def resolve(self, env: Mapping[str, str] | None = None, explicit_source: str = "cli") -> "ResolvedSettings":
+        return resolve_settings(self, os.environ if env is None else env, explicit_source)
+
+
+@dataclass(frozen=True)
+class ResolvedSettings:
+    """ServeSettings with every field filled, and where each value came from."""
+
+    values: ServeSettings
+    sources: dict[str, str]
+
+    def __getattr__(self, name: str) -> Any:  # settings.max_num_seqs reads through to the values
+        return getattr(object.__getattribute__(self, "values"), name)
+
+    def table(self) -> str:
+        """One line per setting: name, value, source. Logged at start."""
+        rows = [(f.name, repr(getattr(self.values, f.name)), self.sources[f.name])
+                for f in dataclasses.fields(ServeSettings) if f.name != "api_key"]
+        rows.append(("api_key", "<set>" if self.values.api_key else "''", self.sources["api_key"]))
+        width = max(len(r[0]) for r in rows)
+        vwidth = max(len(r[1]) for r in rows)
+        return "\n".join(f"  {n:<{width}}  {v:<{vwidth}}  ({s})" for n, v, s in rows)
+
+
+def env_name(f: dataclasses.Field) -> str:
+    return f.metadata.get("env") or ENV_PREFIX + f.name.upper()
+
+
+def field_type(f: dataclasses.Field) -> type:
+    """The non-None type of a field annotated ``X | None``."""
+    hint = typing.get_type_hints(ServeSettings)[f.name]
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if typing.get_origin(hint) in (typing.Union, types.UnionType) and len(args) == 1:
+        return args[0]
+    return hint
+
+
+def parse_value(f: dataclasses.Field, raw: Any, origin: str) -> Any:
+    """Convert and check one value; raise ValueError naming the field."""
+    typ = field_type(f)
+    try:
+        if typ is bool and isinstance(raw, str):
+            low = raw.strip().lower()
+            if low in ("1", "true", "yes", "on"):
+                value: Any = True
+            elif low in ("0", "false", "no", "off"):
+                value = False
+            else:
+                raise ValueError(raw)
+        elif typ is bool:
+            if not isinstance(raw, bool):
+                raise ValueError(raw)
+            value = raw
+        elif typ is int:
+            if isinstance(raw, bool) or (isinstance(raw, float) and not raw.is_integer()):
+                raise ValueError(raw)
+            value = int(raw)
+        elif typ is float:
+            if isinstance(raw, bool):
+                raise ValueError(raw)
+            value = float(raw)
+        else:
+            value = str(raw)
+    except (TypeError, ValueError):
+        raise ValueError(f"{f.name}: {raw!r} from {origin} is not a valid {typ.__name__}") from None
+    choices = f.metadata.get("choices")
+    if choices and value not in choices:
+        raise ValueError(f"{f.name}: {value!r} from {origin} is not one of {', '.join(map(str, choices))}")
+    if typ in (int, float) and value < 0:
+        raise ValueError(f"{f.name}: {value!r} from {origin} must not be negative")
+    return value
+
+
+def resolve_settings(settings: ServeSettings, env: Mapping[str, str], explicit_source: str = "cli") -> ResolvedSettings:
+    """Fill every field: explicit value > ANNA_* env > scheduler profile > built-in default."""
+    fields = dataclasses.fields(ServeSettings)
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    deferred = []
+    for f in fields:
+        explicit = getattr(settings, f.name)
+        if explicit is not None:
+            values[f.name], sources[f.name] = parse_value(f, explicit, "explicit value"), explicit_source
+        elif env.get(env_name(f), "") != "":
+            values[f.name], sources[f.name] = parse_value(f, env[env_name(f)], env_name(f)), "env"
+        elif f.metadata["default"] is PROFILE:
+            deferred.append(f)
+        else:
+            values[f.name], sources[f.name] = f.metadata["default"], "default"
+    profile = SCHEDULER_PROFILES[values["scheduler_profile"]]
+    for f in deferred:
+        values[f.name], sources[f.name] = profile[f.name], "profile"
+    return ResolvedSettings(ServeSettings(**values), sources)
+
+
+def settings_fields() -> tuple[dataclasses.Field, ...]:
+    return dataclasses.fields(ServeSettings)

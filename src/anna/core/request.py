@@ -1,0 +1,66 @@
+"""A request as the engine sees it: token ids and how many of them have been computed.
+
+Chunked prefill, prefix-cache hits and preemption by recompute are all the same thing here:
+``num_computed_tokens`` catching up with ``num_tokens``.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from anna.core.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    prompt: str | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    eos_token_ids: frozenset[int] = frozenset()
+
+    output_token_ids: list[int] = field(default_factory=list)
+    all_token_ids: list[int] = field(init=False)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = -1  # prompt tokens found in a cache on first admission; -1 until admitted
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_preemptions: int = 0
+    # Per-token logprobs of the output: (chosen logprob, [(token id, logprob), ...] top alternatives)
+    output_logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+
+    def __post_init__(self) -> None:
+        self.all_token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)

@@ -1,0 +1,99 @@
+"""Per-request sampling and stopping parameters, named and defaulted as vLLM names them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+GREEDY_EPSILON = 1e-5  # temperatures below this mean greedy decoding
+MAX_LOGPROBS = 20
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: all tokens
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None
+    stop_strings: list[str] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.stop is None:
+            self.stop_strings = []
+        elif isinstance(self.stop, str):
+            self.stop_strings = [self.stop]
+        else:
+            self.stop_strings = list(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.logit_bias:
+            try:
+                self.logit_bias = {int(k): float(v) for k, v in dict(self.logit_bias).items()}
+            except (TypeError, ValueError):
+                raise ValueError(f"logit_bias: must map token ids to numbers (got {self.logit_bias!r})") from None
+        if self.top_k == -1:
+            self.top_k = 0
+        self.validate()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_EPSILON
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first invalid field."""
+        def bad(name: str, why: str) -> None:
+            raise ValueError(f"{name}: {why} (got {getattr(self, name)!r})")
+
+        def is_int(v: object) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        def is_num(v: object) -> bool:
+            return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+        if not is_int(self.n) or self.n < 1:
+            bad("n", "must be an integer >= 1")
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+            if not is_num(getattr(self, name)):
+                bad(name, "must be a number")
+        if self.temperature < 0:
+            bad("temperature", "must be >= 0")
+        if not 0 < self.top_p <= 1:
+            bad("top_p", "must be in (0, 1]")
+        if not is_int(self.top_k) or self.top_k < 0:
+            bad("top_k", "must be -1, 0 (all tokens) or a positive integer")
+        if not 0 <= self.min_p <= 1:
+            bad("min_p", "must be in [0, 1]")
+        if not -2 <= self.presence_penalty <= 2:
+            bad("presence_penalty", "must be in [-2, 2]")
+        if not -2 <= self.frequency_penalty <= 2:
+            bad("frequency_penalty", "must be in [-2, 2]")
+        if self.repetition_penalty <= 0:
+            bad("repetition_penalty", "must be > 0")
+        if self.seed is not None and not is_int(self.seed):
+            bad("seed", "must be an integer")
+        if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
+            bad("max_tokens", "must be an integer >= 1")
+        if not is_int(self.min_tokens) or self.min_tokens < 0:
+            bad("min_tokens", "must be an integer >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            bad("min_tokens", f"must not exceed max_tokens={self.max_tokens}")
+        if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}]")
+        if any(not isinstance(s, str) or s == "" for s in self.stop_strings):
+            bad("stop", "must be a non-empty string or a list of non-empty strings")
+        if any(not is_int(t) or t < 0 for t in self.stop_token_ids):
+            bad("stop_token_ids", "must be a list of non-negative integers")
+        if self.logit_bias and any(not -100 <= v <= 100 for v in self.logit_bias.values()):
+            bad("logit_bias", "values must be in [-100, 100]")

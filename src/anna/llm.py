@@ -1,0 +1,115 @@
+"""The library entry point, shaped like vLLM's ``LLM`` so that vLLM code runs unchanged."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any, Sequence
+
+from tqdm import tqdm
+
+from anna.core.config import ServeSettings
+from anna.core.outputs import RequestOutput
+from anna.core.sampling_params import SamplingParams
+from anna.runtime.engine import LLMEngine
+from anna.weights.chat_template import render_chat
+
+log = logging.getLogger(__name__)
+
+# vLLM keyword arguments that have no effect in Anna, accepted so that vLLM code runs unchanged.
+IGNORED_VLLM_ARGS = {"trust_remote_code", "enforce_eager", "disable_log_stats", "max_seq_len_to_capture",
+                     "swap_space", "tokenizer_mode", "revision", "download_dir", "load_format"}
+RENAMED_VLLM_ARGS = {"gpu_memory_utilization": "memory_utilization"}
+
+Prompt = str | list[int] | dict[str, Any]
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        names = {f.name for f in dataclasses.fields(ServeSettings)}
+        values: dict[str, Any] = {"model": model}
+        for key, value in kwargs.items():
+            key = RENAMED_VLLM_ARGS.get(key, key)
+            if key == "tensor_parallel_size":
+                if value != 1:
+                    raise ValueError("tensor_parallel_size: Anna runs on one device; only 1 is supported")
+            elif key in IGNORED_VLLM_ARGS:
+                log.info("LLM(%s=...) has no effect in Anna", key)
+            elif key in names:
+                values[key] = value
+            else:
+                raise ValueError(f"{key}: not a setting of Anna's LLM")
+        self.llm_engine = LLMEngine(ServeSettings(**values).resolve(explicit_source="argument"))
+        self._counter = 0
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
+                                                 and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"sampling_params: {len(params)} given for {len(prompts)} prompts")
+        ids = []
+        engine = self.llm_engine
+        try:
+            for prompt, p in zip(prompts, params):
+                if isinstance(prompt, dict):
+                    if "prompt_token_ids" in prompt:
+                        prompt = prompt["prompt_token_ids"]
+                    elif "prompt" in prompt:
+                        prompt = prompt["prompt"]
+                    else:
+                        raise ValueError("prompts: a dict prompt needs 'prompt' or 'prompt_token_ids'")
+                rid = f"llm-{self._counter}"
+                self._counter += 1
+                engine.add_request(rid, prompt, p)
+                ids.append(rid)
+        except Exception:
+            for rid in ids:
+                engine.abort_request(rid)
+            raise
+        return self._run(ids, use_tqdm)
+
+    def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
+             add_generation_prompt: bool = True, chat_template: str | None = None,
+             chat_template_kwargs: dict[str, Any] | None = None,
+             tools: list[dict[str, Any]] | None = None) -> list[RequestOutput]:
+        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        tok = self.llm_engine.tokenizer
+        prompts = []
+        for conv in conversations:
+            text = render_chat(chat_template or tok.chat_template, conv, add_generation_prompt=add_generation_prompt,
+                               tools=tools, special_tokens={"bos_token": tok.bos_token, "eos_token": tok.eos_token},
+                               **(chat_template_kwargs or {}))
+            prompts.append(tok.encode(text, add_special_tokens=False))
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        pending = set(ids)
+        done: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Generating", disable=not use_tqdm)
+        try:
+            while pending:
+                for out in engine.step():
+                    if out.finished and out.request_id in pending:
+                        done[out.request_id] = out
+                        pending.discard(out.request_id)
+                        bar.update(1)
+        finally:
+            bar.close()
+            for rid in pending:
+                engine.abort_request(rid)
+        return [done[rid] for rid in ids]

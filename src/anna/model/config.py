@@ -1,0 +1,142 @@
+"""The parts of a Hugging Face config.json that the model code needs, in one typed object.
+
+Both config forms are read: transformers 4.x (``rope_theta`` + ``rope_scaling``) and 5.x
+(``rope_parameters`` holding the theta and the scaling together).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+class ModelLoadError(ValueError):
+    """A model directory that cannot be loaded; the message names the file and the problem."""
+
+
+@dataclass
+class ModelConfig:
+    architecture: str
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    tie_word_embeddings: bool
+    hidden_act: str = "silu"
+    attention_bias: bool = False  # bias on q/k/v (and o for Llama/Qwen3 style attention_bias)
+    o_proj_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    sliding_window: int | None = None
+    torch_dtype: str | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+    raw: dict[str, Any] = field(default_factory=dict, repr=False)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = json.load(fh)
+    except FileNotFoundError:
+        raise ModelLoadError(f"{path}: file not found") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ModelLoadError(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{path}: expected a JSON object")
+    return data
+
+
+def _as_id_list(value: Any) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, int):
+        return [value]
+    return [int(v) for v in value]
+
+
+def load_model_config(model_dir: str | Path) -> ModelConfig:
+    """Read config.json (and generation_config.json for EOS ids) from a model directory."""
+    from anna.model.registry import ARCHITECTURES  # the registry says which features each family has
+
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise ModelLoadError(f"{model_dir}: model directory not found")
+    path = model_dir / "config.json"
+    cfg = _read_json(path)
+    archs = cfg.get("architectures") or []
+    arch = next((a for a in archs if a in ARCHITECTURES), None)
+    if arch is None:
+        raise ModelLoadError(
+            f"{path}: unsupported architectures {archs or '(none given)'}; "
+            f"Anna supports {', '.join(sorted(ARCHITECTURES))}")
+    family = ARCHITECTURES[arch]
+
+    def need(key: str) -> Any:
+        if key not in cfg:
+            raise ModelLoadError(f"{path}: missing required field '{key}'")
+        return cfg[key]
+
+    rope = cfg.get("rope_parameters")
+    if isinstance(rope, dict):  # transformers 5.x form
+        rope_theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+        rope_scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+    else:
+        rope_theta = float(cfg.get("rope_theta", 10000.0))
+        rope_scaling = cfg.get("rope_scaling")
+    if rope_scaling is not None:
+        rope_type = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
+        rope_scaling = dict(rope_scaling, rope_type=rope_type)
+        if rope_type == "default":
+            rope_scaling = None
+
+    num_heads = int(need("num_attention_heads"))
+    hidden = int(need("hidden_size"))
+    head_dim = cfg.get("head_dim") or hidden // num_heads
+    sliding_window = None
+    if family.sliding_window_key and cfg.get(family.sliding_window_key):
+        sliding_window = int(cfg[family.sliding_window_key])
+    elif cfg.get("use_sliding_window"):
+        raise ModelLoadError(f"{path}: use_sliding_window=true is not supported for {arch}")
+    if model_dir.joinpath("generation_config.json").exists():
+        gen = _read_json(model_dir / "generation_config.json")
+    else:
+        gen = {}
+    eos = _as_id_list(gen.get("eos_token_id", cfg.get("eos_token_id")))
+    attention_bias = bool(cfg.get("attention_bias", False))
+    return ModelConfig(
+        architecture=arch,
+        model_type=str(cfg.get("model_type", "")),
+        vocab_size=int(need("vocab_size")),
+        hidden_size=hidden,
+        intermediate_size=int(need("intermediate_size")),
+        num_hidden_layers=int(need("num_hidden_layers")),
+        num_attention_heads=num_heads,
+        num_key_value_heads=int(cfg.get("num_key_value_heads") or num_heads),
+        head_dim=int(head_dim),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        hidden_act=str(cfg.get("hidden_act", "silu")),
+        attention_bias=family.qkv_bias or attention_bias,
+        o_proj_bias=attention_bias,
+        mlp_bias=bool(cfg.get("mlp_bias", False)),
+        qk_norm=family.qk_norm,
+        sliding_window=sliding_window,
+        torch_dtype=cfg.get("dtype") or cfg.get("torch_dtype"),
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_ids=eos,
+        raw=cfg,
+    )

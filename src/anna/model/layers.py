@@ -1,0 +1,84 @@
+"""Layers shared by every decoder family: RMSNorm, rotary embedding, the gated MLP."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from anna.model.linear import DEFAULT_POLICY, Linear, MatmulPolicy
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
+    """Inverse frequencies of rotary embedding, with the scaling types Anna supports."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if scaling is None:
+        return inv_freq
+    kind = scaling["rope_type"]
+    if kind == "linear":
+        return inv_freq / float(scaling["factor"])
+    if kind == "llama3":
+        factor = float(scaling["factor"])
+        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        old_len = float(scaling["original_max_position_embeddings"])
+        low_wavelen, high_wavelen = old_len / low, old_len / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return torch.where(medium, smoothed, scaled)
+    raise ValueError(f"rope_scaling type '{kind}' is not supported (supported: default, linear, llama3)")
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style rotary embedding (rotate halves) with a cos/sin table indexed by position."""
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None,
+                 dtype: torch.dtype) -> None:
+        super().__init__()
+        inv_freq = rope_inv_freq(head_dim, theta, scaling)
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+        self.register_buffer("cos", freqs.cos().to(dtype), persistent=False)
+        self.register_buffer("sin", freqs.sin().to(dtype), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cos = self.cos[positions].unsqueeze(-2)  # [T, 1, D/2]
+        sin = self.sin[positions].unsqueeze(-2)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)), with gate and up fused into one matmul."""
+
+    def __init__(self, hidden: int, intermediate: int, bias: bool, act: str, dtype: torch.dtype,
+                 policy: MatmulPolicy = DEFAULT_POLICY) -> None:
+        super().__init__()
+        if act not in ("silu", "swish"):
+            raise ValueError(f"hidden_act '{act}' is not supported (supported: silu)")
+        self.gate_up_proj = Linear(hidden, [intermediate, intermediate], bias=bias, dtype=dtype, policy=policy)
+        self.down_proj = Linear(intermediate, hidden, bias=bias, dtype=dtype, policy=policy)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)

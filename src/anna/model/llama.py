@@ -1,0 +1,147 @@
+"""The Llama family: Llama 2/3, Mistral, Qwen2/2.5 and Qwen3 as one decoder.
+
+The model knows tensors and attention metadata, never requests. ``forward`` takes the
+flattened new tokens of a batch and returns their hidden states; ``compute_logits`` maps the
+hidden states of the positions that get sampled to logits.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from anna.model.attention import AttentionMetadata, paged_attention
+from anna.model.config import ModelConfig
+from anna.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
+from anna.model.linear import DEFAULT_POLICY, Linear, MatmulPolicy
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, dtype: torch.dtype, policy: MatmulPolicy) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv_proj = Linear(cfg.hidden_size, [q_size, kv_size, kv_size], bias=cfg.attention_bias, dtype=dtype,
+                               policy=policy)
+        self.o_proj = Linear(q_size, cfg.hidden_size, bias=cfg.o_proj_bias, dtype=dtype, policy=policy)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
+        self.rotary = rotary
+        self.scale = self.head_dim ** -0.5
+        self.sliding_window = cfg.sliding_window
+        self.split = [q_size, kv_size, kv_size]
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache,
+                meta: AttentionMetadata) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.sliding_window)
+        return self.o_proj(out.view(t, -1))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, dtype: torch.dtype, policy: MatmulPolicy) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.self_attn = Attention(cfg, rotary, dtype, policy)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, cfg.hidden_act, dtype, policy)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache,
+                meta: AttentionMetadata) -> torch.Tensor:
+        x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+# Checkpoint name fragment -> (fused parameter name, shard index)
+STACKED_PARAMS = {
+    ".q_proj.": (".qkv_proj.", 0),
+    ".k_proj.": (".qkv_proj.", 1),
+    ".v_proj.": (".qkv_proj.", 2),
+    ".gate_proj.": (".gate_up_proj.", 0),
+    ".up_proj.": (".gate_up_proj.", 1),
+}
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, max_positions: int,
+                 policy: MatmulPolicy = DEFAULT_POLICY) -> None:
+        super().__init__()
+        self.config = cfg
+        self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, torch.float32)
+        self.embed_tokens = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype), requires_grad=False)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, self.rotary, dtype, policy) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, policy=policy)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
+                meta: AttentionMetadata) -> torch.Tensor:
+        x = self.embed_tokens[input_ids]
+        for layer, kv in zip(self.layers, kv_caches):
+            x = layer(positions, x, kv, meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    # ---- weights ----
+    def checkpoint_targets(self) -> dict[str, tuple[nn.Parameter, Linear | None, int]]:
+        """Map every checkpoint tensor name this model needs to (parameter, fused Linear, shard index)."""
+        targets: dict[str, tuple[nn.Parameter, Linear | None, int]] = {}
+        params = dict(self.named_parameters(remove_duplicate=False))
+        modules = dict(self.named_modules())
+        for name, param in params.items():
+            ckpt = _checkpoint_name(name)
+            if self.config.tie_word_embeddings and name == "lm_head.weight":
+                continue
+            module_name, _, kind = name.rpartition(".")
+            module = modules.get(module_name)
+            if isinstance(module, Linear) and len(module.shard_sizes) > 1:
+                for fragment, (fused, shard) in STACKED_PARAMS.items():
+                    if fused in "." + name:
+                        targets[ckpt.replace(fused, fragment)] = (param, module, shard)
+            else:
+                targets[ckpt] = (param, module if isinstance(module, Linear) else None, 0)
+        return targets
+
+    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]], where: str) -> set[str]:
+        """Copy checkpoint tensors into the parameters; return the checkpoint names consumed."""
+        targets = self.checkpoint_targets()
+        loaded = set()
+        for name, tensor in tensors:
+            if name not in targets:
+                continue  # e.g. rotary inv_freq buffers, a tied lm_head
+            param, linear, shard = targets[name]
+            dest = param.data
+            if linear is not None and len(linear.shard_sizes) > 1:
+                dest = dest[linear.shard_slice(shard)]
+            if tuple(dest.shape) != tuple(tensor.shape):
+                raise_shape_mismatch(name, where, tuple(dest.shape), tuple(tensor.shape))
+            dest.copy_(tensor)
+            loaded.add(name)
+        return loaded
+
+
+def raise_shape_mismatch(name: str, where: str, expected: tuple, got: tuple) -> None:
+    from anna.model.config import ModelLoadError
+    raise ModelLoadError(f"{where}: tensor '{name}' has shape {list(got)}, but config.json implies {list(expected)}")
+
+
+def _checkpoint_name(param_name: str) -> str:
+    if param_name == "embed_tokens":
+        return "model.embed_tokens.weight"
+    if param_name.startswith("lm_head."):
+        return param_name
+    return "model." + param_name

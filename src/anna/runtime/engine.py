@@ -1,0 +1,249 @@
+"""The engine loop: ``step()`` = schedule -> execute -> process outputs.
+
+Requests may be added and aborted between any two steps. A request with ``n > 1`` runs as n
+sequences that share the prompt's KV blocks through the prefix cache.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass, field
+
+from anna.core.config import ResolvedSettings, ServeSettings
+from anna.core.outputs import CompletionOutput, Logprob, RequestOutput
+from anna.core.request import Request, RequestStatus
+from anna.core.sampling_params import SamplingParams
+from anna.model.config import load_model_config
+from anna.model.linear import MatmulPolicy
+from anna.runtime.kv_cache import KVCacheManager
+from anna.runtime.memory import plan_kv_cache, resolve_device, resolve_dtype
+from anna.runtime.model_runner import ModelRunner
+from anna.runtime.sampler import Sampler
+from anna.runtime.scheduler import Scheduler, SchedulerConfig
+from anna.weights.demo_model import DEMO_NOTICE, ensure_demo_model
+from anna.weights.loader import load_model
+from anna.weights.tokenizer import IncrementalDetokenizer, Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SequenceState:
+    """Engine-side state of one sequence: the request plus its text."""
+
+    req: Request
+    detok: IncrementalDetokenizer | None
+    text: str = ""
+
+
+@dataclass
+class RequestGroup:
+    request_id: str
+    prompt: str | None
+    seqs: list[SequenceState] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.req.is_finished for s in self.seqs)
+
+
+class LLMEngine:
+    def __init__(self, settings: ServeSettings | ResolvedSettings, *, show_progress: bool = True) -> None:
+        s = settings if isinstance(settings, ResolvedSettings) else settings.resolve()
+        self.settings = s
+        self.is_demo = s.model is None
+        self.model_dir = str(ensure_demo_model(s.cache_dir)) if self.is_demo else s.model
+        if self.is_demo:
+            log.warning("No model given: using %s (%s)", self.model_dir, DEMO_NOTICE)
+        self.model_config = cfg = load_model_config(self.model_dir)
+        self.tokenizer = Tokenizer(s.tokenizer or self.model_dir)
+        self.device = resolve_device(s.device)
+        self.dtype = resolve_dtype(s.dtype, cfg)
+        self.max_model_len = s.max_model_len or cfg.max_position_embeddings
+        if self.max_model_len > cfg.max_position_embeddings and cfg.rope_scaling is None:
+            raise ValueError(f"max_model_len: {self.max_model_len} exceeds the model's max_position_embeddings "
+                             f"({cfg.max_position_embeddings})")
+        log.info("Resolved settings:\n%s", s.table())
+        model = load_model(self.model_dir, cfg, dtype=self.dtype, device=self.device,
+                           max_positions=max(self.max_model_len, cfg.max_position_embeddings),
+                           pipeline_workers=s.weight_load_pipeline_workers, policy=MatmulPolicy(),
+                           show_progress=show_progress)
+        plan = plan_kv_cache(cfg, self.dtype, self.device, block_size=s.block_size, max_model_len=self.max_model_len,
+                             kv_cache_memory_gib=s.kv_cache_memory, num_blocks_override=s.num_gpu_blocks_override,
+                             memory_utilization=s.memory_utilization, max_num_seqs=s.max_num_seqs)
+        log.info(plan.describe(self.max_model_len))
+        self.kv = KVCacheManager(plan.num_blocks, s.block_size, s.enable_prefix_caching)
+        self.scheduler = Scheduler(SchedulerConfig(
+            max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
+            max_model_len=self.max_model_len, long_prefill_token_threshold=s.long_prefill_token_threshold,
+            prefill_interval_steps=s.prefill_interval_steps,
+            event_driven_prefill_insert=s.scheduler_event_driven_prefill_insert,
+            skip_batch_wait_when_idle=s.skip_batch_wait_when_idle, batch_wait_ms=s.batch_wait_ms), self.kv)
+        self.runner = ModelRunner(model, self.kv, self.device, self.dtype, Sampler(s.seed, self.device))
+        self.eos_token_ids = frozenset(cfg.eos_token_ids or
+                                       ([self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []))
+        self.groups: dict[str, RequestGroup] = {}
+        self._seqs: dict[str, tuple[RequestGroup, SequenceState]] = {}
+
+    # ---- requests ----
+    def encode_prompt(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool)
+                                                             for t in prompt):
+            raise ValueError("prompt: must be a string or a list of token ids")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt: token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
+        return None, list(prompt)
+
+    def check_fits(self, num_prompt_tokens: int, params: SamplingParams) -> int:
+        """Validate the lengths of a request; return its effective max_tokens."""
+        if num_prompt_tokens == 0:
+            raise ValueError("prompt: must not be empty")
+        room = self.max_model_len - num_prompt_tokens
+        max_tokens = params.max_tokens if params.max_tokens is not None else room
+        if num_prompt_tokens + max_tokens > self.max_model_len:
+            raise ValueError(
+                f"max_tokens: the prompt has {num_prompt_tokens} tokens and max_tokens is {max_tokens}, "
+                f"{num_prompt_tokens + max_tokens} in all, more than max_model_len={self.max_model_len}")
+        if self.kv.blocks_for(num_prompt_tokens + max_tokens) > self.kv.num_blocks:
+            raise ValueError(
+                f"max_tokens: {num_prompt_tokens + max_tokens} tokens need more KV blocks than the whole pool has "
+                f"({self.kv.num_blocks} blocks of {self.kv.block_size} tokens)")
+        return max_tokens
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                    arrival_time: float | None = None) -> None:
+        if not isinstance(params, SamplingParams):
+            raise ValueError("sampling_params: must be a SamplingParams")
+        if request_id in self.groups:
+            raise ValueError(f"request_id: {request_id!r} is already in use")
+        text, ids = self.encode_prompt(prompt)
+        max_tokens = self.check_fits(len(ids), params)
+        group = RequestGroup(request_id, text)
+        for i in range(params.n):
+            child = params
+            if params.n > 1 or params.max_tokens != max_tokens:
+                child = SamplingParams(**{**_fields(params), "n": 1, "max_tokens": max_tokens,
+                                          "seed": None if params.seed is None else params.seed + i})
+            req = Request(request_id if params.n == 1 else f"{request_id}#{i}", ids, child, prompt=text,
+                          eos_token_ids=self.eos_token_ids, arrival_time=arrival_time or time.monotonic())
+            detok = IncrementalDetokenizer(self.tokenizer, ids, child.skip_special_tokens)
+            state = SequenceState(req, detok)
+            group.seqs.append(state)
+            self._seqs[req.request_id] = (group, state)
+        self.groups[request_id] = group
+        for state in group.seqs:
+            self.scheduler.add(state.req)
+
+    def abort_request(self, request_id: str) -> None:
+        group = self.groups.pop(request_id, None)
+        if group is None:
+            return
+        for state in group.seqs:
+            self._finish(state, "abort")
+            self._seqs.pop(state.req.request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ---- the loop ----
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        sampled = self.runner.execute(batch)
+        touched: dict[str, RequestGroup] = {}
+        for req, n in zip(batch.requests, batch.num_new_tokens):
+            req.num_computed_tokens += n
+            if req.request_id in sampled:
+                group, state = self._seqs[req.request_id]
+                token, logprobs = sampled[req.request_id]
+                self._append_token(state, token, logprobs)
+                touched[group.request_id] = group
+        outputs = []
+        for group in touched.values():
+            outputs.append(self._make_output(group))
+            if group.finished:
+                self.groups.pop(group.request_id, None)
+                for state in group.seqs:
+                    self._seqs.pop(state.req.request_id, None)
+        return outputs
+
+    def _append_token(self, state: SequenceState, token: int, logprobs: tuple | None) -> None:
+        req = state.req
+        p = req.sampling_params
+        req.append_output_token(token)
+        if logprobs is not None:
+            req.output_logprobs.append(logprobs)
+        if req.first_token_time is None:
+            req.first_token_time = time.monotonic()
+        may_stop = req.num_output_tokens >= p.min_tokens
+        if may_stop and not p.ignore_eos and token in req.eos_token_ids:
+            return self._finish(state, "stop")
+        if may_stop and token in p.stop_token_ids:
+            return self._finish(state, "stop", stop_reason=token)
+        before = len(state.detok.text)
+        state.detok.add(token)
+        state.text = state.detok.text
+        if may_stop and p.stop_strings:
+            hit = _find_stop(state.detok.text, p.stop_strings, before)
+            if hit is not None:
+                idx, stop = hit
+                state.text = state.detok.text[:idx + (len(stop) if p.include_stop_str_in_output else 0)]
+                return self._finish(state, "stop", stop_reason=stop)
+        if req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.max_model_len:
+            return self._finish(state, "length")
+
+    def _finish(self, state: SequenceState, reason: str, stop_reason: int | str | None = None) -> None:
+        req = state.req
+        if req.is_finished:
+            return
+        req.status = RequestStatus.FINISHED
+        req.finish_reason, req.stop_reason = reason, stop_reason
+        self.scheduler.remove(req)
+        self.runner.sampler.forget(req.request_id)
+
+    def _make_output(self, group: RequestGroup) -> RequestOutput:
+        outs = []
+        for i, state in enumerate(group.seqs):
+            req = state.req
+            text = state.text
+            stops = req.sampling_params.stop_strings
+            if stops and not req.is_finished:  # hold back what may be the start of a stop string
+                text = text[:max(0, len(text) - (max(map(len, stops)) - 1))]
+            outs.append(CompletionOutput(
+                index=i, text=text, token_ids=list(req.output_token_ids), finish_reason=req.finish_reason,
+                stop_reason=req.stop_reason, logprobs=self._logprobs(req)))
+        first = group.seqs[0].req
+        return RequestOutput(group.request_id, group.prompt, first.prompt_token_ids, outs, group.finished,
+                             num_cached_tokens=max(0, first.num_cached_tokens))
+
+    def _logprobs(self, req: Request) -> list[dict[int, Logprob]] | None:
+        if req.sampling_params.logprobs is None:
+            return None
+        out = []
+        for token, (chosen, top) in zip(req.output_token_ids, req.output_logprobs):
+            entry = {tid: Logprob(lp, rank=r + 1) for r, (tid, lp) in enumerate(top)}
+            if token not in entry:
+                entry[token] = Logprob(chosen)
+            out.append(entry)
+        return out
+
+
+def _find_stop(text: str, stops: list[str], new_from: int) -> tuple[int, str] | None:
+    """Earliest stop string that ends in the newly added text (so it may span token boundaries)."""
+    best = None
+    for stop in stops:
+        idx = text.find(stop, max(0, new_from - len(stop) + 1))
+        if idx != -1 and (best is None or idx < best[0]):
+            best = (idx, stop)
+    return best
+
+
+def _fields(params: SamplingParams) -> dict:
+    return {f.name: getattr(params, f.name) for f in dataclasses.fields(params) if f.init}

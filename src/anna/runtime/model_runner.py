@@ -1,0 +1,101 @@
+"""Builds input tensors from a scheduled batch, runs the model, samples.
+
+The runner owns the KV cache tensors and the model; it never decides who runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from anna.core.request import Request
+from anna.model.attention import AttentionMetadata, PrefillChunk
+from anna.model.llama import LlamaForCausalLM
+from anna.runtime.kv_cache import KVCacheManager
+from anna.runtime.sampler import SampleResult, Sampler
+from anna.runtime.scheduler import ScheduledBatch
+
+
+@dataclass
+class ModelInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    order: list[int]  # batch index of each request in model order (decodes first)
+    logits_indices: list[int]  # flattened-token index of the last token of each request, model order
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, kv: KVCacheManager, device: torch.device, kv_dtype: torch.dtype,
+                 sampler: Sampler) -> None:
+        self.model = model
+        self.kv = kv
+        self.device = device
+        self.sampler = sampler
+        cfg = model.config
+        shape = (kv.num_blocks, kv.block_size, cfg.num_key_value_heads, cfg.head_dim)
+        # torch.empty: on CPU untouched pages cost no RAM until a block is first written.
+        self.kv_caches = [(torch.empty(shape, dtype=kv_dtype, device=device),
+                           torch.empty(shape, dtype=kv_dtype, device=device))
+                          for _ in range(cfg.num_hidden_layers)]
+
+    def prepare(self, requests: list[Request], num_new_tokens: list[int]) -> ModelInputs:
+        bs = self.kv.block_size
+        order = sorted(range(len(requests)), key=lambda i: num_new_tokens[i] != 1)  # decodes first, stable
+        ids: list[int] = []
+        starts: list[int] = []
+        lens: list[int] = []
+        tables: list[list[int]] = []
+        for i in order:
+            req, n = requests[i], num_new_tokens[i]
+            start = req.num_computed_tokens
+            ids.extend(req.all_token_ids[start:start + n])
+            starts.append(start)
+            lens.append(n)
+            tables.append(self.kv.block_ids(req.request_id))
+        dev = self.device
+        positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lens)])
+        num_decodes = sum(1 for n in lens if n == 1)
+        max_blocks = max(len(t) for t in tables)
+        table_tensor = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.long)
+        owner = torch.repeat_interleave(torch.arange(len(order)), torch.tensor(lens))
+        slots = table_tensor[owner, positions // bs] * bs + positions % bs
+        table_dev = table_tensor.to(dev)
+        prefills = []
+        offset = num_decodes
+        for j in range(num_decodes, len(order)):
+            prefills.append(PrefillChunk(offset, lens[j], starts[j] + lens[j], table_dev[j]))
+            offset += lens[j]
+        ctx = torch.tensor([s + 1 for s in starts[:num_decodes]], dtype=torch.long)
+        meta = AttentionMetadata(
+            slot_mapping=slots.to(dev), num_decode_tokens=num_decodes,
+            decode_block_tables=table_dev[:num_decodes] if num_decodes else None,
+            decode_context_lens=ctx.to(dev) if num_decodes else None,
+            decode_max_context_len=int(ctx.max()) if num_decodes else 0,
+            prefills=prefills, block_size=bs)
+        logits_indices = (torch.tensor(lens).cumsum(0) - 1).tolist()
+        return ModelInputs(torch.tensor(ids, dtype=torch.long, device=dev), positions.to(dev), meta, order,
+                           logits_indices)
+
+    @torch.inference_mode()
+    def forward(self, inputs: ModelInputs) -> torch.Tensor:
+        """Hidden states of every scheduled token, in model order."""
+        return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> dict[str, tuple[int, tuple | None]]:
+        """Run one step; return the sampled token (and logprobs) of each request that finished
+        its scheduled tokens with nothing left to compute (prefill done or a decode)."""
+        inputs = self.prepare(batch.requests, batch.num_new_tokens)
+        hidden = self.forward(inputs)
+        sampling = [(pos, batch.requests[i]) for pos, i in enumerate(inputs.order)
+                    if batch.requests[i].num_computed_tokens + batch.num_new_tokens[i]
+                    == batch.requests[i].num_tokens]
+        if not sampling:
+            return {}
+        rows = torch.tensor([inputs.logits_indices[pos] for pos, _ in sampling], device=self.device)
+        logits = self.model.compute_logits(hidden[rows])
+        reqs = [r for _, r in sampling]
+        result: SampleResult = self.sampler(logits, reqs)
+        return {r.request_id: (t, lp) for r, t, lp in zip(reqs, result.token_ids, result.logprobs)}

@@ -1,0 +1,114 @@
+"""Turn the logits of a batch into next tokens, each request with its own sampling parameters.
+
+Logprobs are reported from the raw model distribution (before penalties and temperature), as
+vLLM does. A request with a seed draws from its own generator, so its tokens do not depend on
+what else is in the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from anna.core.request import Request
+
+
+@dataclass
+class SampleResult:
+    token_ids: list[int]
+    # per row: (chosen token logprob, [(token id, logprob), ...]) or None when not asked for
+    logprobs: list[tuple[float, list[tuple[int, float]]] | None]
+
+
+class Sampler:
+    def __init__(self, seed: int, device: torch.device) -> None:
+        self.device = device
+        self.default_generator = torch.Generator(device=device)
+        self.default_generator.manual_seed(seed)
+        self.generators: dict[str, torch.Generator] = {}
+
+    def forget(self, request_id: str) -> None:
+        self.generators.pop(request_id, None)
+
+    def _generator(self, req: Request) -> torch.Generator:
+        seed = req.sampling_params.seed
+        if seed is None:
+            return self.default_generator
+        gen = self.generators.get(req.request_id)
+        if gen is None:
+            gen = self.generators[req.request_id] = torch.Generator(device=self.device)
+            gen.manual_seed(seed)
+        return gen
+
+    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SampleResult:
+        params = [r.sampling_params for r in requests]
+        raw = logits
+        if all(p.greedy and not _needs_processing(r) for p, r in zip(params, requests)) \
+                and all(p.logprobs is None for p in params):
+            return SampleResult(logits.argmax(dim=-1).tolist(), [None] * len(requests))
+        logits = logits.clone()
+        for i, req in enumerate(requests):
+            if _needs_processing(req):
+                _apply_penalties_and_bias(logits[i], req)
+        tokens = torch.empty(len(requests), dtype=torch.long, device=logits.device)
+        for i, (req, p) in enumerate(zip(requests, params)):
+            row = logits[i]
+            if p.greedy:
+                tokens[i] = row.argmax()
+                continue
+            row = row / p.temperature
+            if p.top_k > 0 and p.top_k < row.shape[-1]:
+                kth = torch.topk(row, p.top_k).values[-1]
+                row = row.masked_fill(row < kth, float("-inf"))
+            probs = torch.softmax(row, dim=-1)
+            if p.top_p < 1.0:
+                sorted_probs, order = probs.sort(descending=True)
+                cum = sorted_probs.cumsum(-1)
+                drop = (cum - sorted_probs) > p.top_p  # keep the smallest set reaching top_p
+                probs = probs.scatter(0, order, sorted_probs.masked_fill(drop, 0.0))
+            if p.min_p > 0.0:
+                probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
+            tokens[i] = torch.multinomial(probs, 1, generator=self._generator(req))[0]
+        token_list = tokens.tolist()
+        logprobs: list[tuple[float, list[tuple[int, float]]] | None] = [None] * len(requests)
+        want = [i for i, p in enumerate(params) if p.logprobs is not None]
+        if want:
+            lp = torch.log_softmax(raw[want], dim=-1)
+            for row, i in enumerate(want):
+                k = params[i].logprobs
+                chosen = float(lp[row, token_list[i]])
+                top = []
+                if k:
+                    vals, ids = torch.topk(lp[row], k)
+                    top = list(zip(ids.tolist(), vals.tolist()))
+                logprobs[i] = (chosen, top)
+        return SampleResult(token_list, logprobs)
+
+
+def _needs_processing(req: Request) -> bool:
+    p = req.sampling_params
+    return bool(p.logit_bias or p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
+                or req.num_output_tokens < p.min_tokens)
+
+
+def _apply_penalties_and_bias(row: torch.Tensor, req: Request) -> None:
+    p = req.sampling_params
+    device = row.device
+    if p.logit_bias:
+        ids = torch.tensor([t for t in p.logit_bias if 0 <= t < row.shape[0]], dtype=torch.long, device=device)
+        vals = torch.tensor([p.logit_bias[t] for t in p.logit_bias if 0 <= t < row.shape[0]], device=device)
+        row.index_add_(0, ids, vals.to(row.dtype))
+    if p.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(req.all_token_ids)), dtype=torch.long, device=device)
+        vals = row[seen]
+        row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+    if (p.presence_penalty or p.frequency_penalty) and req.output_token_ids:
+        counts = torch.bincount(torch.tensor(req.output_token_ids, device=device), minlength=row.shape[0])
+        counts = counts[:row.shape[0]].to(row.dtype)
+        row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+    if req.num_output_tokens < p.min_tokens:
+        banned = [t for t in set(p.stop_token_ids) | (set() if p.ignore_eos else set(req.eos_token_ids))
+                  if 0 <= t < row.shape[0]]
+        if banned:
+            row[torch.tensor(banned, dtype=torch.long, device=device)] = float("-inf")

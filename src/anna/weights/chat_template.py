@@ -1,0 +1,67 @@
+"""Render a model's chat template in jinja2's sandbox.
+
+Templates come from downloaded files, so they run in an ImmutableSandboxedEnvironment: no access
+to Python internals, no mutation of the objects passed in. Models without a template get ChatML.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+from functools import lru_cache
+from typing import Any
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + (message['content'] or '') + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+class ChatTemplateError(ValueError):
+    """The template failed on these messages (raise_exception in the template, or a template bug)."""
+
+
+def _raise_exception(message: str) -> None:
+    raise ChatTemplateError(message)
+
+
+def _tojson(value: Any, indent: int | None = None, ensure_ascii: bool = False, sort_keys: bool = False,
+            separators: Any = None) -> str:
+    return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii, sort_keys=sort_keys, separators=separators)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.datetime.now().strftime(fmt)
+
+
+@lru_cache(maxsize=16)
+def _compile(template: str) -> jinja2.Template:
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    try:
+        return env.from_string(template)
+    except jinja2.TemplateSyntaxError as exc:
+        raise ChatTemplateError(f"chat template does not compile: {exc}") from None
+
+
+def render_chat(template: str | None, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
+                tools: list[dict[str, Any]] | None = None, special_tokens: dict[str, str | None] | None = None,
+                **kwargs: Any) -> str:
+    compiled = _compile(template or CHATML_TEMPLATE)
+    try:
+        return compiled.render(messages=messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                               **(special_tokens or {}), **kwargs)
+    except ChatTemplateError:
+        raise
+    except jinja2.exceptions.SecurityError as exc:
+        raise ChatTemplateError(f"chat template tried an unsafe operation: {exc}") from None
+    except (jinja2.TemplateError, TypeError, KeyError, IndexError, AttributeError, ValueError) as exc:
+        raise ChatTemplateError(f"chat template failed on these messages: {exc}") from None

@@ -1,0 +1,95 @@
+"""Load a safetensors checkpoint into a model, shard by shard, with a pre-read pipeline.
+
+While the main thread copies one shard into the model (converting dtype, moving to the device),
+``weight_load_pipeline_workers`` background threads already read the next shards from disk.
+Pickle-based checkpoints (.bin/.pt) are never opened: unpickling runs arbitrary code.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+from tqdm import tqdm
+
+from anna.model.config import ModelConfig, ModelLoadError
+from anna.model.linear import MatmulPolicy
+from anna.model.llama import LlamaForCausalLM
+
+log = logging.getLogger(__name__)
+
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
+
+
+def checkpoint_files(model_dir: Path) -> list[Path]:
+    """The safetensors shards of a model directory, in load order."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            names = sorted(set(weight_map.values()))
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
+            raise ModelLoadError(f"{index}: not a valid safetensors index ({exc!r})") from None
+        files = [model_dir / n for n in names]
+        for f in files:
+            if not f.exists():
+                raise ModelLoadError(f"{f}: shard listed in {index.name} is missing")
+        return files
+    single = model_dir / "model.safetensors"
+    if single.exists():
+        return [single]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if files:
+        return files
+    pickles = sorted(p.name for p in model_dir.iterdir() if p.suffix in PICKLE_SUFFIXES)
+    if pickles:
+        raise ModelLoadError(
+            f"{model_dir}: only pickle checkpoints found ({', '.join(pickles)}). Anna loads safetensors only, "
+            "because unpickling can run arbitrary code; convert the checkpoint to safetensors first")
+    raise ModelLoadError(f"{model_dir}: no model.safetensors or model-*-of-*.safetensors found")
+
+
+def _read_shard(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise ModelLoadError(f"{path}: cannot read safetensors file ({exc})") from None
+
+
+def load_model(model_dir: str | Path, cfg: ModelConfig, *, dtype: torch.dtype, device: torch.device,
+               max_positions: int, pipeline_workers: int = 2, policy: MatmulPolicy | None = None,
+               show_progress: bool = True) -> LlamaForCausalLM:
+    model_dir = Path(model_dir)
+    files = checkpoint_files(model_dir)
+    start = time.perf_counter()
+    with torch.device(device):
+        model = LlamaForCausalLM(cfg, dtype, max_positions, policy or MatmulPolicy())
+    needed = set(model.checkpoint_targets())
+    loaded: set[str] = set()
+    workers = max(1, pipeline_workers)
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="anna-weights") as pool:
+        pending: dict[int, Future] = {}
+        bar = tqdm(total=len(files), desc="Loading shards", unit="shard", disable=not show_progress)
+        for i in range(len(files)):
+            for j in range(i, min(len(files), i + workers + 1)):  # keep the next shards reading
+                if j not in pending:
+                    pending[j] = pool.submit(_read_shard, files[j])
+            tensors = pending.pop(i).result()
+            loaded |= model.load_weights(tensors.items(), str(files[i]))
+            del tensors
+            bar.update(1)
+        bar.close()
+    missing = sorted(needed - loaded)
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise ModelLoadError(f"{model_dir}: checkpoint is missing tensors: {shown}")
+    elapsed = time.perf_counter() - start
+    nbytes = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
+    log.info("Loaded %d shard(s), %.1f MiB of weights on %s in %.2f s", len(files), nbytes / 2**20, device, elapsed)
+    return model
