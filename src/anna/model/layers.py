@@ -58,8 +58,8 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", freqs.sin().to(dtype), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos[positions].unsqueeze(-2)  # [T, 1, D/2]
-        sin = self.sin[positions].unsqueeze(-2)
+        cos = self.cos[positions].unsqueeze(-2).to(q.dtype)  # [T, 1, D/2]
+        sin = self.sin[positions].unsqueeze(-2).to(q.dtype)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 

@@ -101,7 +101,8 @@ class LLMEngine:
         return None, list(prompt)
 
     def check_fits(self, num_prompt_tokens: int, params: SamplingParams) -> int:
-        """Validate the lengths of a request; return its effective max_tokens."""
+        """Validate the lengths of a request; return its effective max_tokens. (The KV plan guarantees
+        that the pool holds at least one max_model_len sequence, so a request that passes always fits.)"""
         if num_prompt_tokens == 0:
             raise ValueError("prompt: must not be empty")
         room = self.max_model_len - num_prompt_tokens
@@ -110,10 +111,6 @@ class LLMEngine:
             raise ValueError(
                 f"max_tokens: the prompt has {num_prompt_tokens} tokens and max_tokens is {max_tokens}, "
                 f"{num_prompt_tokens + max_tokens} in all, more than max_model_len={self.max_model_len}")
-        if self.kv.blocks_for(num_prompt_tokens + max_tokens) > self.kv.num_blocks:
-            raise ValueError(
-                f"max_tokens: {num_prompt_tokens + max_tokens} tokens need more KV blocks than the whole pool has "
-                f"({self.kv.num_blocks} blocks of {self.kv.block_size} tokens)")
         return max_tokens
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,

@@ -53,12 +53,19 @@ def _build_tokenizer():
     return tok
 
 
-def write_demo_model(target: Path, seed: int = 0) -> None:
-    """Write the demo model files into ``target`` (an empty directory)."""
+def write_demo_tokenizer(target: Path) -> tuple[int, int, int]:
+    """Write tokenizer.json and tokenizer_config.json; return (vocab size, <|im_end|> id, <|endoftext|> id)."""
     tok = _build_tokenizer()
     tok.save(str(target / "tokenizer.json"))
-    vocab = tok.get_vocab_size()
-    eos, endoftext = tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")
+    (target / "tokenizer_config.json").write_text(json.dumps({
+        "chat_template": CHATML, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "bos_token": None,
+        "model_max_length": 4096}, indent=2))
+    return tok.get_vocab_size(), tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")
+
+
+def write_demo_model(target: Path, seed: int = 0) -> None:
+    """Write the demo model files into ``target`` (an empty directory)."""
+    vocab, eos, endoftext = write_demo_tokenizer(target)
     config = {
         "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 64,
         "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -68,9 +75,6 @@ def write_demo_model(target: Path, seed: int = 0) -> None:
     }
     (target / "config.json").write_text(json.dumps(config, indent=2))
     (target / "generation_config.json").write_text(json.dumps({"eos_token_id": [eos, endoftext]}))
-    (target / "tokenizer_config.json").write_text(json.dumps({
-        "chat_template": CHATML, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "bos_token": None,
-        "model_max_length": 4096}, indent=2))
     gen = torch.Generator().manual_seed(seed)
     h, inter, kv = 64, 128, 2 * 16
 

@@ -1,0 +1,85 @@
+"""Tiny random-weight models built with transformers (the reference implementation) for every
+architecture Anna supports, saved once per test session."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from anna.weights.demo_model import write_demo_tokenizer
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+VOCAB = 800  # >= the demo tokenizer's vocabulary
+COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6)
+
+ARCH_CONFIGS = {
+    "llama3": ("LlamaConfig", "LlamaForCausalLM", dict(
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 64}, rope_theta=500000.0, tie_word_embeddings=False)),
+    "llama2_mha_tied": ("LlamaConfig", "LlamaForCausalLM", dict(num_key_value_heads=4, tie_word_embeddings=True)),
+    "mistral_swa": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=24, tie_word_embeddings=False)),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=True)),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32, tie_word_embeddings=False)),
+}
+
+
+def build_hf_model(name: str, seed: int = 0):
+    import transformers
+
+    config_cls, model_cls, extra = ARCH_CONFIGS[name]
+    config = getattr(transformers, config_cls)(**{**COMMON, **extra})
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_cls)(config).eval()
+    with torch.no_grad():  # larger-than-default weights so that logits are far from uniform
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.08)
+            else:  # norm weights and biases: away from their trivial 1 / 0
+                p.add_(torch.randn_like(p) * 0.1)
+    return model
+
+
+def save_hf_model(model, path: Path, **save_kwargs) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path, **save_kwargs)
+    _, eos, _ = write_demo_tokenizer(path)
+    gen = path / "generation_config.json"
+    gen.write_text(f'{{"eos_token_id": {eos}}}')
+    return path
+
+
+@pytest.fixture(scope="session")
+def hf_models(tmp_path_factory):
+    """name -> (transformers model, saved directory)."""
+    root = tmp_path_factory.mktemp("models")
+    out = {}
+    for name in ARCH_CONFIGS:
+        model = build_hf_model(name)
+        out[name] = (model, save_hf_model(model, root / name))
+    return out
+
+
+@pytest.fixture(scope="session")
+def qwen2_dir(hf_models) -> Path:
+    return hf_models["qwen2"][1]
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("anna-cache")
+
+
+def engine_settings(model_dir, cache_dir, **overrides):
+    from anna.core.config import ServeSettings
+
+    base = dict(model=str(model_dir), dtype="float32", device="cpu", cache_dir=str(cache_dir),
+                num_gpu_blocks_override=256, max_model_len=512, log_level="warning")
+    base.update(overrides)
+    return ServeSettings(**base).resolve(env={})

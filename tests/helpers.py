@@ -1,0 +1,55 @@
+"""Drive Anna's real components step by step, collecting logits, for comparison with transformers."""
+
+from __future__ import annotations
+
+import torch
+
+from anna.core.request import Request
+from anna.core.sampling_params import SamplingParams
+from anna.runtime.engine import LLMEngine
+
+
+def run_logits(engine: LLMEngine, prompt: list[int], decode_steps: int, chunks: list[int] | None = None,
+               request_id: str = "probe") -> tuple[torch.Tensor, list[int]]:
+    """Prefill ``prompt`` (in the given chunk sizes), then decode greedily. Returns the logits of
+    every position [len(prompt) + decode_steps, vocab] and the greedy tokens."""
+    req = Request(request_id, list(prompt), SamplingParams(max_tokens=decode_steps + 1, temperature=0.0))
+    runner, kv = engine.runner, engine.kv
+    chunks = list(chunks or [len(prompt)])
+    assert sum(chunks) == len(prompt)
+    logits, tokens = [], []
+    try:
+        for n in chunks + [1] * decode_steps:
+            if n == 1 and req.num_computed_tokens == req.num_tokens:
+                req.append_output_token(tokens[-1])
+            assert kv.allocate_slots(req, n)
+            inputs = runner.prepare([req], [n])
+            hidden = runner.forward(inputs)
+            with torch.inference_mode():
+                step_logits = runner.model.compute_logits(hidden)
+            req.num_computed_tokens += n
+            logits.append(step_logits)
+            if req.num_computed_tokens == req.num_tokens:
+                tokens.append(int(step_logits[-1].argmax()))
+    finally:
+        kv.free(req)
+    return torch.cat(logits), tokens
+
+
+def hf_logits(model, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].float()
+
+
+def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                             pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def assert_logits_close(ours: torch.Tensor, ref: torch.Tensor, rel: float = 1e-4) -> None:
+    assert ours.shape == ref.shape, (ours.shape, ref.shape)
+    tol = rel * ref.abs().max().item()
+    diff = (ours - ref).abs().max().item()
+    assert diff <= tol, f"max abs logit diff {diff:.3e} > {tol:.3e}"

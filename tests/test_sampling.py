@@ -1,0 +1,186 @@
+"""Sampling parameters, stopping, logprobs and the library API's validation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from anna import LLM, SamplingParams
+from conftest import ARCH_CONFIGS
+from helpers import hf_logits
+
+PROMPT = [(i * 13 + 5) % 700 + 3 for i in range(20)]
+
+
+@pytest.fixture(scope="module")
+def llm(qwen2_dir, cache_dir):
+    return LLM(str(qwen2_dir), dtype="float32", device="cpu", cache_dir=str(cache_dir), max_model_len=512,
+               num_gpu_blocks_override=128)
+
+
+def gen(llm, prompts, params):
+    return llm.generate(prompts, params, use_tqdm=False)
+
+
+def test_same_seed_same_tokens_regardless_of_batch(llm):
+    p = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=24, ignore_eos=True)
+    alone = gen(llm, [PROMPT], p)[0].outputs[0].token_ids
+    others = SamplingParams(temperature=1.0, max_tokens=30, ignore_eos=True)
+    batched = gen(llm, [PROMPT[:7], PROMPT, PROMPT[3:]], [others, p, others])[1].outputs[0].token_ids
+    assert alone == batched
+    other_seed = gen(llm, [PROMPT], SamplingParams(temperature=1.0, top_p=0.9, seed=99, max_tokens=24,
+                                                   ignore_eos=True))[0].outputs[0].token_ids
+    assert other_seed != alone
+
+
+def test_top_k_1_is_greedy(llm):
+    greedy = gen(llm, [PROMPT], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+    top1 = gen(llm, [PROMPT], SamplingParams(temperature=0.8, top_k=1, max_tokens=10, ignore_eos=True, seed=5))
+    assert greedy[0].outputs[0].token_ids == top1[0].outputs[0].token_ids
+
+
+def test_logit_bias_forces_a_token(llm):
+    out = gen(llm, [PROMPT], SamplingParams(temperature=0.7, seed=1, max_tokens=6, ignore_eos=True,
+                                            logit_bias={321: 100}))
+    assert out[0].outputs[0].token_ids == [321] * 6
+
+
+def test_min_p_and_top_p_keep_only_the_top_token_when_tight(llm):
+    greedy = gen(llm, [PROMPT], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0].outputs[0].token_ids
+    tight = gen(llm, [PROMPT], SamplingParams(temperature=1.0, top_p=1e-6, max_tokens=8, ignore_eos=True,
+                                              seed=3))[0].outputs[0].token_ids
+    assert tight == greedy
+    minp = gen(llm, [PROMPT], SamplingParams(temperature=1.0, min_p=1.0, max_tokens=8, ignore_eos=True,
+                                             seed=3))[0].outputs[0].token_ids
+    assert minp == greedy
+
+
+def test_repetition_penalty_changes_greedy_choice(llm):
+    base = gen(llm, [PROMPT], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))[0].outputs[0].token_ids
+    pen = gen(llm, [PROMPT], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True,
+                                            frequency_penalty=2.0, presence_penalty=2.0,
+                                            repetition_penalty=2.0))[0].outputs[0].token_ids
+    assert pen != base
+    # with strong penalties no output token repeats more often than without
+    assert max(pen.count(t) for t in pen) <= max(base.count(t) for t in base)
+
+
+def test_logprobs_match_transformers(llm, hf_models):
+    model, _ = hf_models["qwen2"]
+    out = gen(llm, [PROMPT], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=5))[0].outputs[0]
+    ref = torch.log_softmax(hf_logits(model, PROMPT + out.token_ids[:-1])[len(PROMPT) - 1:], dim=-1)
+    for step, (token, entry) in enumerate(zip(out.token_ids, out.logprobs)):
+        assert len(entry) == 5
+        assert entry[token].rank == 1  # greedy picks the top token
+        top = torch.topk(ref[step], 5)
+        assert list(entry) == top.indices.tolist()
+        for tid, lp in entry.items():
+            assert abs(lp.logprob - ref[step, tid].item()) < 1e-4
+
+
+def test_stop_token_ids_and_eos(llm):
+    greedy = gen(llm, [PROMPT], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0].outputs[0]
+    stop_tok = greedy.token_ids[5]
+    first = greedy.token_ids.index(stop_tok)
+    out = gen(llm, [PROMPT], SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop_tok]))[0].outputs[0]
+    assert out.token_ids == greedy.token_ids[:first + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_tok
+    # min_tokens keeps a stop token from ending the output early
+    late = gen(llm, [PROMPT], SamplingParams(temperature=0, max_tokens=12, min_tokens=12,
+                                             stop_token_ids=[stop_tok]))[0].outputs[0]
+    assert len(late.token_ids) == 12 and late.finish_reason == "length"
+
+
+def test_eos_from_generation_config_ends_output(llm):
+    eos = next(iter(llm.llm_engine.eos_token_ids))
+    out = gen(llm, [PROMPT], SamplingParams(temperature=0.5, seed=0, max_tokens=10, logit_bias={eos: 100}))
+    assert out[0].outputs[0].token_ids == [eos] and out[0].outputs[0].finish_reason == "stop"
+    assert out[0].outputs[0].text == ""
+    ignored = gen(llm, [PROMPT], SamplingParams(temperature=0.5, seed=0, max_tokens=4, ignore_eos=True,
+                                                logit_bias={eos: 100}))
+    assert ignored[0].outputs[0].token_ids == [eos] * 4
+
+
+def test_stop_string_across_token_boundaries(llm):
+    tok = llm.get_tokenizer()
+    greedy = gen(llm, [PROMPT], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))[0].outputs[0]
+    text = greedy.text
+    # a stop string made of the end of one token's text and the start of a later one
+    pieces = [tok.decode([t]) for t in greedy.token_ids]
+    boundary = len(pieces[2]) + len(pieces[3])
+    start = len(pieces[0]) + len(pieces[1]) + max(0, len(pieces[2]) - 1)
+    stop = text[start:start + 3] if len(text) > start + 3 else text[-3:]
+    assert len(stop) == 3 and boundary > 0
+    out = gen(llm, [PROMPT], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=[stop]))[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == text[:text.find(stop)]
+    incl = gen(llm, [PROMPT], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=stop,
+                                             include_stop_str_in_output=True))[0].outputs[0]
+    assert incl.text == text[:text.find(stop) + len(stop)]
+
+
+def test_n_samples_share_the_prompt(llm):
+    out = gen(llm, [PROMPT], SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=8, ignore_eos=True))[0]
+    assert [o.index for o in out.outputs] == [0, 1, 2]
+    assert len({tuple(o.token_ids) for o in out.outputs}) > 1
+    assert llm.llm_engine.kv.num_free_blocks == llm.llm_engine.kv.num_blocks
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(temperature=-1), "temperature"), (dict(top_p=0), "top_p"), (dict(top_p=1.5), "top_p"),
+    (dict(top_k=-2), "top_k"), (dict(min_p=2), "min_p"), (dict(max_tokens=0), "max_tokens"),
+    (dict(n=0), "n"), (dict(presence_penalty=3), "presence_penalty"), (dict(repetition_penalty=0), "repetition_penalty"),
+    (dict(logprobs=21), "logprobs"), (dict(stop=[""]), "stop"), (dict(min_tokens=5, max_tokens=2), "min_tokens"),
+    (dict(logit_bias={"x": 1}), "logit_bias"), (dict(seed="a"), "seed"), (dict(stop_token_ids=[-1]), "stop_token_ids"),
+    (dict(frequency_penalty="1"), "frequency_penalty"),
+])
+def test_invalid_sampling_params_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=f"^{field}:"):
+        SamplingParams(**kwargs)
+
+
+def test_request_errors_name_the_field(llm):
+    with pytest.raises(ValueError, match="^max_tokens:.*more than max_model_len=512"):
+        gen(llm, [PROMPT], SamplingParams(max_tokens=500))
+    with pytest.raises(ValueError, match="^prompt: token id 900"):
+        gen(llm, [[1, 2, 900]], SamplingParams())
+    with pytest.raises(ValueError, match="^prompt: must not be empty"):
+        gen(llm, [[]], SamplingParams())
+    with pytest.raises(ValueError, match="^sampling_params:"):
+        gen(llm, [PROMPT, PROMPT], [SamplingParams()])
+    assert llm.llm_engine.kv.num_free_blocks == llm.llm_engine.kv.num_blocks
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_invalid_settings_name_the_field(qwen2_dir):
+    with pytest.raises(ValueError, match="^max_num_seqz: not a setting"):
+        LLM(str(qwen2_dir), max_num_seqz=4)
+    with pytest.raises(ValueError, match="^dtype: 'float8'"):
+        LLM(str(qwen2_dir), dtype="float8")
+    with pytest.raises(ValueError, match="^max_num_seqs: 'many'"):
+        LLM(str(qwen2_dir), max_num_seqs="many")
+
+
+def test_chat_uses_the_template(llm):
+    tok = llm.get_tokenizer()
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    out = llm.chat(msgs, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)[0]
+    expected = tok.encode("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
+                          "<|im_start|>assistant\n", add_special_tokens=False)
+    assert out.prompt_token_ids == expected
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama3"])
+def test_bfloat16_logits_close_to_transformers(arch, hf_models, cache_dir):
+    """bf16 exercises the CPU matmul routing (prefill upcasts, decode stays bf16)."""
+    from anna.runtime.engine import LLMEngine
+    from conftest import engine_settings
+    from helpers import run_logits
+
+    model, path = hf_models[arch]
+    engine = LLMEngine(engine_settings(path, cache_dir, dtype="bfloat16"), show_progress=False)
+    logits, tokens = run_logits(engine, PROMPT, 4)
+    ref = hf_logits(model, PROMPT + tokens[:-1])
+    err = (logits - ref).abs().max() / ref.abs().max()
+    assert err < 3e-2, f"bf16 relative logit error {err:.3e}"
+    assert ARCH_CONFIGS  # the fixture models are float32; bf16 rounding bounds the error
