@@ -49,3 +49,14 @@ def test_llm_generate_matches_transformers_greedy(arch, hf_models, cache_dir):
     assert out[0].outputs[0].token_ids == hf_greedy(model, PROMPT, DECODE_STEPS)
     assert out[0].outputs[0].finish_reason == "length"
     assert llm.llm_engine.kv.num_free_blocks == llm.llm_engine.kv.num_blocks
+
+
+def test_never_written_cache_slots_do_not_leak(hf_models, cache_dir):
+    """The KV pool is allocated uninitialized; padding slots may hold NaN and must never matter."""
+    model, path = hf_models["qwen2"]
+    engine = LLMEngine(engine_settings(path, cache_dir), show_progress=False)
+    for k, v in engine.runner.kv_caches:
+        k.fill_(float("nan"))
+        v.fill_(float("nan"))
+    logits, tokens = run_logits(engine, PROMPT[:21], 5)
+    assert_logits_close(logits, hf_logits(model, PROMPT[:21] + tokens[:-1]))

@@ -20,6 +20,7 @@ class PrefillChunk:
     query_len: int
     context_len: int  # tokens of the sequence after this chunk (cached prefix + chunk)
     block_table: torch.Tensor  # [num_blocks] long, on the device
+    mask: torch.Tensor | None  # [query_len, context_len] bool, True = attend; None = plain causal over the chunk
 
 
 @dataclass
@@ -27,10 +28,46 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] long: cache slot (block * block_size + offset) of each new token
     num_decode_tokens: int  # the first tokens of the batch are single-token decodes
     decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks] long
-    decode_context_lens: torch.Tensor | None  # [num_decodes] long
-    decode_max_context_len: int
+    decode_mask: torch.Tensor | None  # [num_decodes, padded context] bool, True = masked out
     prefills: list[PrefillChunk]
     block_size: int
+
+
+def build_metadata(slot_mapping: torch.Tensor, starts: list[int], lens: list[int], tables: torch.Tensor,
+                   block_size: int, sliding_window: int | None, device: torch.device) -> AttentionMetadata:
+    """Metadata for a batch whose sequences are ordered decodes first. ``starts``: computed tokens
+    before this step; ``lens``: new tokens; ``tables``: padded block tables [B, max_blocks] (host).
+    Masks are built here once per step, not in every layer."""
+    num_decodes = sum(1 for n in lens if n == 1)
+    tables_dev = tables.to(device)
+    prefills = []
+    offset = num_decodes
+    for j in range(num_decodes, len(lens)):
+        qlen, ctx = lens[j], starts[j] + lens[j]
+        mask = None
+        if ctx != qlen or (sliding_window is not None and ctx > sliding_window):
+            qpos = torch.arange(ctx - qlen, ctx, device=device).unsqueeze(1)
+            kpos = torch.arange(ctx, device=device).unsqueeze(0)
+            mask = kpos <= qpos
+            if sliding_window is not None:
+                mask &= kpos > qpos - sliding_window
+        prefills.append(PrefillChunk(offset, qlen, ctx, tables_dev[j], mask))
+        offset += qlen
+    decode_tables = decode_mask = None
+    if num_decodes:
+        ctx_list = [s + 1 for s in starts[:num_decodes]]
+        max_ctx = max(ctx_list)
+        num_blocks = -(-max_ctx // block_size)
+        decode_tables = tables_dev[:num_decodes, :num_blocks]
+        decode_ctx = torch.tensor(ctx_list, dtype=torch.long).unsqueeze(1)
+        pos = torch.arange(num_blocks * block_size).unsqueeze(0)
+        masked = pos >= decode_ctx
+        if sliding_window is not None:
+            masked |= pos < decode_ctx - sliding_window
+        decode_mask = masked.to(device)
+    return AttentionMetadata(slot_mapping=slot_mapping.to(device), num_decode_tokens=num_decodes,
+                             decode_block_tables=decode_tables, decode_mask=decode_mask, prefills=prefills,
+                             block_size=block_size)
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -40,8 +77,7 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                    sliding_window: int | None) -> torch.Tensor:
+                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q: [T, H, D]; k, v: [T, KV, D] for the new tokens. Writes k/v to the cache, returns [T, H, D]."""
     write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
     # Half-precision batched matmuls are slow on CPUs without native support: compute in fp32 there.
@@ -49,31 +85,27 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     out = torch.empty_like(q)
     nd = meta.num_decode_tokens
     if nd:
-        out[:nd] = _decode_attention(q[:nd], k_cache, v_cache, meta, scale, sliding_window, compute_dtype)
+        out[:nd] = _decode_attention(q[:nd], k_cache, v_cache, meta, scale, compute_dtype)
     for chunk in meta.prefills:
         sl = slice(chunk.query_start, chunk.query_start + chunk.query_len)
         out[sl] = _prefill_attention(q[sl], k[sl], v[sl], k_cache, v_cache, chunk, meta.block_size, scale,
-                                     sliding_window, compute_dtype)
+                                     compute_dtype)
     return out
 
 
 def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                      scale: float, sliding_window: int | None, dtype: torch.dtype) -> torch.Tensor:
+                      scale: float, dtype: torch.dtype) -> torch.Tensor:
     nd, num_heads, head_dim = q.shape
     num_kv = k_cache.shape[2]
-    num_blocks = -(-meta.decode_max_context_len // meta.block_size)
-    tables = meta.decode_block_tables[:, :num_blocks]
-    length = num_blocks * meta.block_size
+    tables = meta.decode_block_tables
+    length = tables.shape[1] * meta.block_size
     keys = k_cache[tables].view(nd, length, num_kv, head_dim).to(dtype)
+    # Padding slots may hold never-written memory (NaN/inf): zero them so that 0 * garbage stays 0.
     values = v_cache[tables].view(nd, length, num_kv, head_dim).to(dtype)
+    values = values.masked_fill(meta.decode_mask[:, :, None, None], 0.0)
     qg = q.view(nd, num_kv, num_heads // num_kv, head_dim).to(dtype)
     scores = torch.einsum("bkgd,blkd->bkgl", qg, keys) * scale
-    pos = torch.arange(length, device=q.device)
-    ctx = meta.decode_context_lens.unsqueeze(1)
-    masked = pos.unsqueeze(0) >= ctx
-    if sliding_window is not None:
-        masked |= pos.unsqueeze(0) < ctx - sliding_window
-    scores.masked_fill_(masked[:, None, None, :], float("-inf"))
+    scores.masked_fill_(meta.decode_mask[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     out = torch.einsum("bkgl,blkd->bkgd", probs, values)
     return out.reshape(nd, num_heads, head_dim).to(q.dtype)
@@ -81,23 +113,15 @@ def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 
 def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                        v_cache: torch.Tensor, chunk: PrefillChunk, block_size: int, scale: float,
-                       sliding_window: int | None, dtype: torch.dtype) -> torch.Tensor:
-    qlen, ctx = chunk.query_len, chunk.context_len
-    if ctx == qlen and (sliding_window is None or ctx <= sliding_window):
-        keys, values, mask, causal = k, v, None, True  # no cached prefix: plain causal attention
+                       dtype: torch.dtype) -> torch.Tensor:
+    if chunk.mask is None:
+        keys, values = k, v  # no cached prefix: plain causal attention over the chunk itself
     else:
-        num_blocks = -(-ctx // block_size)
-        table = chunk.block_table[:num_blocks]
-        keys = k_cache[table].flatten(0, 1)[:ctx]
-        values = v_cache[table].flatten(0, 1)[:ctx]
-        qpos = torch.arange(ctx - qlen, ctx, device=q.device).unsqueeze(1)
-        kpos = torch.arange(ctx, device=q.device).unsqueeze(0)
-        mask = kpos <= qpos
-        if sliding_window is not None:
-            mask &= kpos > qpos - sliding_window
-        causal = False
+        table = chunk.block_table[:-(-chunk.context_len // block_size)]
+        keys = k_cache[table].flatten(0, 1)[:chunk.context_len]
+        values = v_cache[table].flatten(0, 1)[:chunk.context_len]
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1).unsqueeze(0).to(dtype), keys.transpose(0, 1).unsqueeze(0).to(dtype),
-        values.transpose(0, 1).unsqueeze(0).to(dtype), attn_mask=mask, is_causal=causal, scale=scale,
-        enable_gqa=True)
+        values.transpose(0, 1).unsqueeze(0).to(dtype), attn_mask=chunk.mask, is_causal=chunk.mask is None,
+        scale=scale, enable_gqa=True)
     return out.squeeze(0).transpose(0, 1).to(q.dtype)

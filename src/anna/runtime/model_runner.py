@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from anna.core.request import Request
-from anna.model.attention import AttentionMetadata, PrefillChunk
+from anna.model.attention import AttentionMetadata, build_metadata
 from anna.model.llama import LlamaForCausalLM
 from anna.runtime.kv_cache import KVCacheManager
 from anna.runtime.sampler import SampleResult, Sampler
@@ -56,24 +56,11 @@ class ModelRunner:
             tables.append(self.kv.block_ids(req.request_id))
         dev = self.device
         positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lens)])
-        num_decodes = sum(1 for n in lens if n == 1)
         max_blocks = max(len(t) for t in tables)
         table_tensor = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.long)
         owner = torch.repeat_interleave(torch.arange(len(order)), torch.tensor(lens))
         slots = table_tensor[owner, positions // bs] * bs + positions % bs
-        table_dev = table_tensor.to(dev)
-        prefills = []
-        offset = num_decodes
-        for j in range(num_decodes, len(order)):
-            prefills.append(PrefillChunk(offset, lens[j], starts[j] + lens[j], table_dev[j]))
-            offset += lens[j]
-        ctx = torch.tensor([s + 1 for s in starts[:num_decodes]], dtype=torch.long)
-        meta = AttentionMetadata(
-            slot_mapping=slots.to(dev), num_decode_tokens=num_decodes,
-            decode_block_tables=table_dev[:num_decodes] if num_decodes else None,
-            decode_context_lens=ctx.to(dev) if num_decodes else None,
-            decode_max_context_len=int(ctx.max()) if num_decodes else 0,
-            prefills=prefills, block_size=bs)
+        meta = build_metadata(slots, starts, lens, table_tensor, bs, self.model.config.sliding_window, dev)
         logits_indices = (torch.tensor(lens).cumsum(0) - 1).tolist()
         return ModelInputs(torch.tensor(ids, dtype=torch.long, device=dev), positions.to(dev), meta, order,
                            logits_indices)

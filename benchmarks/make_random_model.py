@@ -1,0 +1,85 @@
+"""Write a random-weight model with a real model's shapes (speed does not depend on weight values).
+
+    python benchmarks/make_random_model.py --shape qwen2.5-0.5b --out benchmarks/models/qwen2.5-0.5b
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from anna.weights.demo_model import write_demo_tokenizer
+
+SHAPES = {
+    "qwen2.5-0.5b": dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", hidden_size=896,
+                         intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                         vocab_size=151936, max_position_embeddings=32768, rope_theta=1000000.0,
+                         rms_norm_eps=1e-6, tie_word_embeddings=True, use_sliding_window=False),
+    "qwen3-0.6b": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=1024,
+                       intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+                       head_dim=128, vocab_size=151936, max_position_embeddings=40960, rope_theta=1000000.0,
+                       rms_norm_eps=1e-6, tie_word_embeddings=True),
+    "llama-3.2-1b": dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=2048,
+                         intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+                         head_dim=64, vocab_size=128256, max_position_embeddings=131072, rope_theta=500000.0,
+                         rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                                       "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+                         rms_norm_eps=1e-5, tie_word_embeddings=True),
+}
+
+
+def tensor_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
+    h, inter = cfg["hidden_size"], cfg["intermediate_size"]
+    hd = cfg.get("head_dim") or h // cfg["num_attention_heads"]
+    q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
+    qwen2 = cfg["model_type"] == "qwen2"
+    shapes = {"model.embed_tokens.weight": (cfg["vocab_size"], h), "model.norm.weight": (h,)}
+    if not cfg["tie_word_embeddings"]:
+        shapes["lm_head.weight"] = (cfg["vocab_size"], h)
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        shapes.update({p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+                       p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
+                       p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
+                       p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h),
+                       p + "mlp.down_proj.weight": (h, inter)})
+        if qwen2:
+            shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
+                           p + "self_attn.v_proj.bias": (kv,)})
+        if cfg["model_type"] == "qwen3":
+            shapes.update({p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)})
+    return shapes
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen2.5-0.5b")
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    cfg = dict(SHAPES[args.shape], torch_dtype=args.dtype, hidden_act="silu")
+    args.out.mkdir(parents=True, exist_ok=True)
+    vocab, eos, endoftext = write_demo_tokenizer(args.out)
+    cfg.update(eos_token_id=eos, bos_token_id=endoftext)
+    (args.out / "config.json").write_text(json.dumps(cfg, indent=2))
+    (args.out / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
+    dtype = getattr(torch, args.dtype)
+    gen = torch.Generator().manual_seed(args.seed)
+    tensors = {}
+    for name, shape in tensor_shapes(cfg).items():
+        if name.endswith("norm.weight"):
+            tensors[name] = torch.ones(shape, dtype=dtype)
+        else:
+            tensors[name] = (torch.randn(shape, generator=gen) * 0.02).to(dtype)
+    save_file(tensors, str(args.out / "model.safetensors"))
+    total = sum(t.numel() for t in tensors.values())
+    print(f"wrote {args.out}: {args.shape}, {total / 1e6:.0f}M parameters, {args.dtype}")
+
+
+if __name__ == "__main__":
+    main()
