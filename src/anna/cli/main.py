@@ -54,6 +54,20 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from anna.server.app import create_app
+
+    if args.model_pos:
+        args.model = args.model_pos
+    settings = settings_from_args(args).resolve()
+    app = create_app(settings)
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level,
+                timeout_graceful_shutdown=5)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="anna", description="Anna: an LLM inference server.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -72,6 +86,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--quiet", action="store_true", help="No progress bars or logs.")
     add_settings_flags(gen)
     gen.set_defaults(func=cmd_generate)
+
+    serve = sub.add_parser("serve", help="Serve a model over an OpenAI-compatible HTTP API.")
+    serve.add_argument("model_pos", nargs="?", metavar="MODEL", help="Model directory (default: the demo model).")
+    add_settings_flags(serve)
+    serve.set_defaults(func=cmd_serve)
     return parser
 
 

@@ -93,6 +93,12 @@ class ServeSettings:
     host: str | None = _setting("127.0.0.1", "Address the HTTP server listens on.")
     port: int | None = _setting(8000, "Port the HTTP server listens on.")
     api_key: str | None = _setting("", "If set, every route but /health needs 'Authorization: Bearer KEY'.")
+    max_n: int | None = _setting(8, "Most parallel samples (n) one request may ask for.")
+    tool_call_parser: str | None = _setting("hermes", "How tool calls are read from model output.",
+                                            choices=("hermes", "none"))
+    reasoning_parser: str | None = _setting(
+        "none", "Split <think>...</think> reasoning into reasoning_content.",
+        choices=("none", "think", "qwen3", "deepseek_r1"))
     log_level: str | None = _setting("info", "Logging level.", choices=("debug", "info", "warning", "error"))
 
     def resolve(self, env: Mapping[str, str] | None = None, explicit_source: str = "cli") -> "ResolvedSettings":

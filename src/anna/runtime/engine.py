@@ -19,6 +19,7 @@ from anna.model.config import load_model_config
 from anna.model.linear import MatmulPolicy
 from anna.runtime.kv_cache import KVCacheManager
 from anna.runtime.memory import plan_kv_cache, resolve_device, resolve_dtype
+from anna.runtime.metrics import EngineStats
 from anna.runtime.model_runner import ModelRunner
 from anna.runtime.sampler import Sampler
 from anna.runtime.scheduler import Scheduler, SchedulerConfig
@@ -84,6 +85,7 @@ class LLMEngine:
         self.runner = ModelRunner(model, self.kv, self.device, self.dtype, Sampler(s.seed, self.device))
         self.eos_token_ids = frozenset(cfg.eos_token_ids or
                                        ([self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []))
+        self.stats = EngineStats()
         self.groups: dict[str, RequestGroup] = {}
         self._seqs: dict[str, tuple[RequestGroup, SequenceState]] = {}
 
@@ -136,6 +138,7 @@ class LLMEngine:
         self.groups[request_id] = group
         for state in group.seqs:
             self.scheduler.add(state.req)
+        self.stats.prompt_tokens += len(ids) * params.n
 
     def abort_request(self, request_id: str) -> None:
         group = self.groups.pop(request_id, None)
@@ -175,6 +178,7 @@ class LLMEngine:
         req = state.req
         p = req.sampling_params
         req.append_output_token(token)
+        self.stats.generation_tokens += 1
         if logprobs is not None:
             req.output_logprobs.append(logprobs)
         if req.first_token_time is None:
@@ -202,6 +206,10 @@ class LLMEngine:
             return
         req.status = RequestStatus.FINISHED
         req.finish_reason, req.stop_reason = reason, stop_reason
+        if reason == "abort":
+            self.stats.aborted += 1
+        else:
+            self.stats.finished[reason] += 1
         self.scheduler.remove(req)
         self.runner.sampler.forget(req.request_id)
 

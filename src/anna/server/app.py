@@ -1,0 +1,516 @@
+"""The OpenAI-compatible HTTP server: routes, validation, streaming, disconnect handling."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+
+from anna.core.config import ResolvedSettings
+from anna.core.outputs import CompletionOutput, RequestOutput
+from anna.core.sampling_params import SamplingParams
+from anna.runtime.engine import LLMEngine
+from anna.server.async_engine import AsyncEngine, EngineDeadError
+from anna.server.chat import render_chat_request
+from anna.server.metrics import EngineCollector, make_registry, render
+from anna.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                  SamplingFields, TokenizeRequest)
+from anna.server.reasoning import REASONING_PARSERS
+from anna.server.tool_parsers import TOOL_PARSERS, ParsedToolCall
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ServerState:
+    settings: ResolvedSettings
+    engine: AsyncEngine | None = None
+    load_error: BaseException | None = None
+    model_name: str = ""
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def core(self) -> LLMEngine:
+        if self.engine is None:
+            raise APIError(503, "the model is still loading" if self.load_error is None
+                           else f"the model failed to load: {self.load_error}")
+        return self.engine.engine
+
+
+def served_name(settings: ResolvedSettings) -> str:
+    return settings.served_model_name or settings.model or "anna-demo"
+
+
+# ---------------------------------------------------------------- request helpers
+
+async def parse_body(request: Request, model: type[BaseModel]) -> Any:
+    try:
+        body = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise APIError(400, f"invalid JSON body: {exc}") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        param = ".".join(str(p) for p in err["loc"]) or None
+        raise APIError(400, f"{param}: {err['msg']}" if param else err["msg"], param=param) from None
+
+
+def check_model(state: ServerState, name: str | None) -> None:
+    if name is not None and name != state.model_name:
+        raise APIError(404, f"The model '{name}' does not exist; this server serves '{state.model_name}'",
+                       param="model", code="model_not_found")
+
+
+def build_sampling_params(state: ServerState, req: SamplingFields, num_prompt_tokens: int,
+                          max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    s = state.settings
+    if req.n > s.max_n:
+        raise APIError(400, f"n: at most {s.max_n} samples per request (got {req.n})", param="n")
+    try:
+        logit_bias = {int(k): v for k, v in (req.logit_bias or {}).items()}
+    except ValueError:
+        raise APIError(400, "logit_bias: keys must be token ids", param="logit_bias") from None
+    try:
+        params = SamplingParams(
+            n=req.n, temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0,
+            min_p=req.min_p or 0.0, presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            seed=req.seed, stop=req.stop, stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
+            max_tokens=max_tokens, min_tokens=req.min_tokens, logprobs=logprobs,
+            include_stop_str_in_output=req.include_stop_str_in_output,
+            skip_special_tokens=req.skip_special_tokens, logit_bias=logit_bias or None)
+        state.core.check_fits(num_prompt_tokens, params)
+    except ValueError as exc:
+        raise APIError(400, str(exc), param=str(exc).split(":", 1)[0]) from None
+    return params
+
+
+async def wait_for_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def run_until_done(request: Request, work: Any) -> Any:
+    """Await ``work`` unless the client goes away first; then cancel it (aborting its requests)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(wait_for_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if task not in done:
+        task.cancel()
+        try:
+            await task
+        except (asyncio.CancelledError, Exception):
+            pass
+        return None
+    return task.result()
+
+
+async def final_output(gen: AsyncIterator[RequestOutput]) -> RequestOutput:
+    last = None
+    async for out in gen:
+        last = out
+    return last
+
+
+def sse(data: Any) -> str:
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached: int) -> dict[str, Any]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+# ---------------------------------------------------------------- logprobs
+
+def _token_str(engine: LLMEngine, token_id: int) -> str:
+    return engine.tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def chat_logprobs(engine: LLMEngine, out: CompletionOutput, start: int, end: int) -> dict[str, Any] | None:
+    if out.logprobs is None:
+        return None
+    content = []
+    for token, entry in zip(out.token_ids[start:end], out.logprobs[start:end]):
+        text = _token_str(engine, token)
+        content.append({"token": text, "logprob": entry[token].logprob, "bytes": list(text.encode()),
+                        "top_logprobs": [{"token": _token_str(engine, t), "logprob": lp.logprob,
+                                          "bytes": list(_token_str(engine, t).encode())}
+                                         for t, lp in entry.items() if lp.rank is not None]})
+    return {"content": content}
+
+
+def completion_logprobs(engine: LLMEngine, out: CompletionOutput, start: int, end: int,
+                        text_offset: int) -> dict[str, Any] | None:
+    if out.logprobs is None:
+        return None
+    tokens, token_lps, tops, offsets = [], [], [], []
+    for token, entry in zip(out.token_ids[start:end], out.logprobs[start:end]):
+        text = _token_str(engine, token)
+        tokens.append(text)
+        token_lps.append(entry[token].logprob)
+        tops.append({_token_str(engine, t): lp.logprob for t, lp in entry.items() if lp.rank is not None})
+        offsets.append(text_offset)
+        text_offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+# ---------------------------------------------------------------- chat output parsing
+
+class ChoiceParser:
+    """Splits one choice's text into reasoning, content and tool calls, whole or incrementally."""
+
+    def __init__(self, state: ServerState, parse_tools: bool) -> None:
+        s = state.settings
+        self.reasoning = REASONING_PARSERS[s.reasoning_parser]() if s.reasoning_parser != "none" else None
+        self.tools = TOOL_PARSERS[s.tool_call_parser]() if parse_tools and s.tool_call_parser != "none" else None
+        self.calls: list[ParsedToolCall] = []
+
+    def feed(self, delta: str, final: bool) -> tuple[str, str, list[ParsedToolCall]]:
+        reasoning, content = "", delta
+        if self.reasoning is not None:
+            reasoning, content = self.reasoning.feed(delta)
+            if final:
+                r2, c2 = self.reasoning.finish()
+                reasoning, content = reasoning + r2, content + c2
+        calls: list[ParsedToolCall] = []
+        if self.tools is not None:
+            content, calls = self.tools.feed(content)
+            if final:
+                c2, more = self.tools.finish()
+                content, calls = content + c2, calls + more
+        self.calls.extend(calls)
+        return reasoning, content, calls
+
+
+def finish_reason(out: CompletionOutput, parser: ChoiceParser | None) -> str | None:
+    if out.finish_reason is None:
+        return None
+    if parser is not None and parser.calls and out.finish_reason == "stop":
+        return "tool_calls"
+    if out.finish_reason == "abort":
+        return "stop"
+    return out.finish_reason
+
+
+# ---------------------------------------------------------------- app
+
+def create_app(settings: ResolvedSettings, *, load_in_background: bool = True) -> FastAPI:
+    state = ServerState(settings=settings, model_name=served_name(settings))
+    registry = make_registry(EngineCollector(lambda: state.engine.engine if state.engine else None,
+                                             state.model_name))
+
+    def load() -> None:
+        try:
+            state.engine = AsyncEngine(LLMEngine(settings))
+            log.info("Ready: serving '%s' on http://%s:%d", state.model_name, settings.host, settings.port)
+        except BaseException as exc:  # reported by /health and every route
+            log.exception("model failed to load")
+            state.load_error = exc
+
+    async def lifespan(app: FastAPI):
+        if load_in_background:
+            threading.Thread(target=load, name="anna-load", daemon=True).start()
+        else:
+            load()
+        yield
+        if state.engine is not None:
+            state.engine.shutdown()
+
+    app = FastAPI(title="Anna", lifespan=lifespan)
+    app.state.anna = state
+
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, exc: APIError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(EngineDeadError)
+    async def engine_dead(_: Request, exc: EngineDeadError) -> JSONResponse:
+        return JSONResponse(APIError(503, str(exc)).body(), status_code=503)
+
+    @app.middleware("http")
+    async def check_api_key(request: Request, call_next):
+        key = settings.api_key
+        if key and request.url.path != "/health":
+            given = request.headers.get("authorization", "")
+            expected = f"Bearer {key}"
+            if not hmac.compare_digest(given.encode(), expected.encode()):
+                err = APIError(401, "invalid or missing API key (expected 'Authorization: Bearer <key>')")
+                return JSONResponse(err.body(), status_code=401)
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if state.engine is not None and state.engine.error is None:
+            return JSONResponse({"status": "ok"})
+        detail = "loading" if state.load_error is None and state.engine is None else "error"
+        return JSONResponse({"status": detail}, status_code=503)
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        engine = state.core
+        return JSONResponse({"object": "list", "data": [{
+            "id": state.model_name, "object": "model", "created": state.created, "owned_by": "anna",
+            "root": engine.model_dir, "max_model_len": engine.max_model_len}]})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(render(registry), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> JSONResponse:
+        req = await parse_body(request, TokenizeRequest)
+        check_model(state, req.model)
+        engine = state.core
+        if req.messages is not None:
+            tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+            text = render_chat_request(engine.tokenizer, req, tools)
+            ids = engine.tokenizer.encode(text, add_special_tokens=False)
+        elif req.prompt is not None:
+            ids = engine.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        else:
+            raise APIError(400, "prompt: give 'prompt' or 'messages'", param="prompt")
+        return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len})
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> JSONResponse:
+        req = await parse_body(request, DetokenizeRequest)
+        check_model(state, req.model)
+        engine = state.core
+        vocab = engine.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in req.tokens):
+            raise APIError(400, f"tokens: ids must be in 0..{vocab - 1}", param="tokens")
+        return JSONResponse({"prompt": engine.tokenizer.decode(req.tokens, skip_special_tokens=False)})
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        req: ChatCompletionRequest = await parse_body(request, ChatCompletionRequest)
+        check_model(state, req.model)
+        engine = state.core
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+        choice = req.tool_choice
+        if isinstance(choice, dict):
+            name = (choice.get("function") or {}).get("name")
+            if not tools or name not in {t["function"]["name"] for t in tools}:
+                raise APIError(400, f"tool_choice: function {name!r} is not among the tools", param="tool_choice")
+        elif choice not in (None, "none", "auto", "required"):
+            raise APIError(400, f"tool_choice: {choice!r} is not none, auto, required or a function",
+                           param="tool_choice")
+        elif choice == "required" and not tools:
+            raise APIError(400, "tool_choice: 'required' needs tools", param="tool_choice")
+        if choice == "none":
+            tools = None
+        prompt = render_chat_request(engine.tokenizer, req, tools)
+        ids = engine.tokenizer.encode(prompt, add_special_tokens=False)
+        top = (req.top_logprobs or 0) if req.logprobs else None
+        params = build_sampling_params(state, req, len(ids), req.max_completion_tokens or req.max_tokens, top)
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        parse_tools = tools is not None
+        gen = state.engine.generate(rid, ids, params)
+        base = {"id": rid, "created": int(time.time()), "model": state.model_name}
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return StreamingResponse(chat_stream(state, gen, base, params.n, len(ids), parse_tools, include_usage),
+                                     media_type="text/event-stream")
+        out = await run_until_done(request, final_output(gen))
+        if out is None:
+            return Response(status_code=499)
+        choices = []
+        for o in out.outputs:
+            parser = ChoiceParser(state, parse_tools)
+            reasoning, content, _ = parser.feed(o.text, final=True)
+            message: dict[str, Any] = {"role": "assistant", "content": content if content or not parser.calls else None}
+            if parser.reasoning is not None:
+                message["reasoning_content"] = reasoning or None
+            if parser.calls:
+                message["tool_calls"] = [c.to_openai() for c in parser.calls]
+            choices.append({"index": o.index, "message": message, "finish_reason": finish_reason(o, parser),
+                            "logprobs": chat_logprobs(engine, o, 0, len(o.token_ids)),
+                            "stop_reason": o.stop_reason})
+        completion = sum(len(o.token_ids) for o in out.outputs)
+        return JSONResponse({**base, "object": "chat.completion", "choices": choices,
+                             "usage": usage(len(ids), completion, out.num_cached_tokens)})
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        req: CompletionRequest = await parse_body(request, CompletionRequest)
+        check_model(state, req.model)
+        engine = state.core
+        prompts = normalize_prompts(req.prompt)
+        encoded = []
+        for i, p in enumerate(prompts):
+            try:
+                text, ids = engine.encode_prompt(p)
+            except ValueError as exc:
+                raise APIError(400, str(exc), param="prompt") from None
+            encoded.append((text, ids))
+        top = req.logprobs
+        all_params = [build_sampling_params(state, req, len(ids), req.max_tokens, top) for _, ids in encoded]
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        gens = [state.engine.generate(f"{rid}-{i}", ids, p) for i, ((_, ids), p) in enumerate(zip(encoded, all_params))]
+        base = {"id": rid, "created": int(time.time()), "model": state.model_name}
+        n = req.n
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return StreamingResponse(completion_stream(state, gens, encoded, base, n, req.echo, include_usage),
+                                     media_type="text/event-stream")
+        outs = await run_until_done(request, asyncio.gather(*(final_output(g) for g in gens)))
+        if outs is None:
+            return Response(status_code=499)
+        choices = []
+        prompt_tokens = completion_tokens = cached = 0
+        for i, (out, (text, ids)) in enumerate(zip(outs, encoded)):
+            prefix = (text if text is not None else engine.tokenizer.decode(ids)) if req.echo else ""
+            prompt_tokens += len(ids)
+            cached += out.num_cached_tokens
+            for o in out.outputs:
+                completion_tokens += len(o.token_ids)
+                choices.append({"index": i * n + o.index, "text": prefix + o.text,
+                                "logprobs": completion_logprobs(engine, o, 0, len(o.token_ids), len(prefix)),
+                                "finish_reason": finish_reason(o, None), "stop_reason": o.stop_reason})
+        return JSONResponse({**base, "object": "text_completion", "choices": choices,
+                             "usage": usage(prompt_tokens, completion_tokens, cached)})
+
+    return app
+
+
+def normalize_prompts(prompt: Any) -> list[str | list[int]]:
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise APIError(400, "prompt: must not be empty", param="prompt")
+    if all(isinstance(p, int) for p in prompt):
+        return [list(prompt)]
+    if all(isinstance(p, str) for p in prompt) or all(isinstance(p, list) for p in prompt):
+        return list(prompt)
+    raise APIError(400, "prompt: must be a string, a list of strings, or token ids", param="prompt")
+
+
+async def chat_stream(state: ServerState, gen: AsyncIterator[RequestOutput], base: dict[str, Any], n: int,
+                      num_prompt: int, parse_tools: bool, include_usage: bool) -> AsyncIterator[str]:
+    engine = state.core
+    chunk = {**base, "object": "chat.completion.chunk"}
+
+    def emit(index: int, delta: dict[str, Any], finish: str | None = None, logprobs: Any = None) -> str:
+        return sse({**chunk, "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
+                                          "finish_reason": finish}]})
+
+    parsers = [ChoiceParser(state, parse_tools) for _ in range(n)]
+    sent_text = [0] * n
+    sent_tokens = [0] * n
+    tool_index = [0] * n
+    done = [False] * n
+    for i in range(n):
+        yield emit(i, {"role": "assistant", "content": ""})
+    last: RequestOutput | None = None
+    try:
+        async for out in gen:
+            last = out
+            for o in out.outputs:
+                i = o.index
+                if done[i]:
+                    continue
+                final = o.finish_reason is not None
+                delta_text = o.text[sent_text[i]:]
+                sent_text[i] = len(o.text)
+                reasoning, content, calls = parsers[i].feed(delta_text, final)
+                logprobs = chat_logprobs(engine, o, sent_tokens[i], len(o.token_ids))
+                sent_tokens[i] = len(o.token_ids)
+                delta: dict[str, Any] = {}
+                if reasoning:
+                    delta["reasoning_content"] = reasoning
+                if content:
+                    delta["content"] = content
+                if calls:
+                    delta["tool_calls"] = [c.to_openai(tool_index[i] + k) for k, c in enumerate(calls)]
+                    tool_index[i] += len(calls)
+                if delta or logprobs:
+                    yield emit(i, delta, logprobs=logprobs)
+                if final:
+                    done[i] = True
+                    yield emit(i, {}, finish_reason(o, parsers[i]))
+    except EngineDeadError as exc:
+        yield sse(APIError(503, str(exc)).body())
+        return
+    if include_usage and last is not None:
+        completion = sum(len(o.token_ids) for o in last.outputs)
+        yield sse({**chunk, "choices": [], "usage": usage(num_prompt, completion, last.num_cached_tokens)})
+    yield "data: [DONE]\n\n"
+
+
+async def completion_stream(state: ServerState, gens: list[AsyncIterator[RequestOutput]],
+                            encoded: list[tuple[str | None, list[int]]], base: dict[str, Any], n: int, echo: bool,
+                            include_usage: bool) -> AsyncIterator[str]:
+    engine = state.core
+    chunk = {**base, "object": "text_completion"}
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, gen: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async for out in gen:
+                await queue.put((i, out))
+        except Exception as exc:
+            await queue.put((i, exc))
+        finally:
+            await queue.put((i, None))
+
+    tasks = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(gens)]
+    sent_text: dict[tuple[int, int], int] = {}
+    sent_tokens: dict[tuple[int, int], int] = {}
+    finals: dict[int, RequestOutput] = {}
+    running = len(gens)
+    try:
+        while running:
+            i, item = await queue.get()
+            if item is None:
+                running -= 1
+                continue
+            if isinstance(item, Exception):
+                yield sse(APIError(503, str(item)).body())
+                return
+            finals[i] = item
+            for o in item.outputs:
+                key = (i, o.index)
+                start = sent_text.get(key)
+                prefix = ""
+                if start is None:
+                    start = 0
+                    if echo:
+                        text, ids = encoded[i]
+                        prefix = text if text is not None else engine.tokenizer.decode(ids)
+                delta = prefix + o.text[start:]
+                sent_text[key] = len(o.text)
+                lp = completion_logprobs(engine, o, sent_tokens.get(key, 0), len(o.token_ids), start)
+                sent_tokens[key] = len(o.token_ids)
+                if delta or o.finish_reason is not None or lp:
+                    yield sse({**chunk, "choices": [{"index": i * n + o.index, "text": delta, "logprobs": lp,
+                                                     "finish_reason": finish_reason(o, None)}]})
+    finally:
+        for t in tasks:
+            t.cancel()
+    if include_usage:
+        prompt_tokens = sum(len(ids) for _, ids in encoded)
+        completion = sum(len(o.token_ids) for out in finals.values() for o in out.outputs)
+        cached = sum(out.num_cached_tokens for out in finals.values())
+        yield sse({**chunk, "choices": [], "usage": usage(prompt_tokens, completion, cached)})
+    yield "data: [DONE]\n\n"

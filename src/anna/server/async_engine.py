@@ -1,0 +1,126 @@
+"""The engine loop in its own thread, with an asyncio face for the HTTP side.
+
+HTTP handlers never run model code: they hand requests to the loop through a queue and await
+outputs on a per-request asyncio queue. The loop thread applies pending adds and aborts between
+steps, so neither side ever waits on the other longer than a queue hand-off.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from typing import AsyncIterator
+
+from anna.core.outputs import RequestOutput
+from anna.core.sampling_params import SamplingParams
+from anna.runtime.engine import LLMEngine
+
+log = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    pass
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._stop = False
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="anna-engine", daemon=True)
+        self._thread.start()
+
+    # ---- asyncio side ----
+    async def generate(self, request_id: str, prompt: str | list[int],
+                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        """Yield cumulative outputs until the request finishes. Cancelling the consumer (a client
+        disconnect) aborts the request and frees its KV blocks."""
+        if self.error is not None:
+            raise EngineDeadError(f"engine loop has stopped: {self.error!r}")
+        loop = asyncio.get_running_loop()
+        out_q: asyncio.Queue = asyncio.Queue()
+        self._commands.put(("add", request_id, prompt, params, (loop, out_q)))
+        self._wake.set()
+        finished = False
+        try:
+            while True:
+                item = await out_q.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(("abort", request_id))
+        self._wake.set()
+
+    def shutdown(self) -> None:
+        self._stop = True
+        self._wake.set()
+        self._thread.join(timeout=10)
+
+    # ---- loop thread ----
+    def _apply_commands(self) -> None:
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if cmd[0] == "add":
+                _, rid, prompt, params, stream = cmd
+                try:
+                    self.engine.add_request(rid, prompt, params)
+                    self._streams[rid] = stream
+                except Exception as exc:  # invalid request: report to its caller only
+                    loop, q = stream
+                    loop.call_soon_threadsafe(q.put_nowait, exc)
+            else:
+                rid = cmd[1]
+                self._streams.pop(rid, None)
+                self.engine.abort_request(rid)
+
+    def _coalesce(self) -> None:
+        """When idle and configured to, wait a moment so that near-simultaneous requests share a batch."""
+        s = self.engine.settings
+        if not s.skip_batch_wait_when_idle and s.batch_wait_ms > 0:
+            time.sleep(s.batch_wait_ms / 1000)
+
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while not self._stop:
+                if not engine.has_unfinished_requests() and self._commands.empty():
+                    self._wake.wait(timeout=1.0)
+                    self._wake.clear()
+                    if self._stop:
+                        break
+                    if not self._commands.empty():
+                        self._coalesce()
+                self._apply_commands()
+                if not engine.has_unfinished_requests():
+                    continue
+                for out in engine.step():
+                    stream = self._streams.get(out.request_id)
+                    if stream is None:
+                        continue
+                    if out.finished:
+                        del self._streams[out.request_id]
+                    loop, q = stream
+                    loop.call_soon_threadsafe(q.put_nowait, out)
+        except BaseException as exc:  # a bug in the loop: fail every waiting request loudly
+            log.exception("engine loop crashed")
+            self.error = exc
+            for loop, q in self._streams.values():
+                loop.call_soon_threadsafe(q.put_nowait, EngineDeadError(f"engine loop crashed: {exc!r}"))
+            self._streams.clear()

@@ -1,0 +1,312 @@
+"""The HTTP server, exercised with the official openai SDK against a live server process."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+API_KEY = "test-key-123"
+MODEL = "tiny-qwen2"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(qwen2_dir, cache_dir, tmp_path_factory):
+    port = free_port()
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    cmd = [sys.executable, "-m", "anna.cli.main", "serve", str(qwen2_dir), "--port", str(port),
+           "--served-model-name", MODEL, "--api-key", API_KEY, "--dtype", "float32", "--device", "cpu",
+           "--max-model-len", "256", "--num-gpu-blocks-override", "96", "--cache-dir", str(cache_dir),
+           "--log-level", "warning", "--max-n", "4"]
+    env = dict(os.environ, ANNA_API_KEY="")
+    with open(log, "w") as fh:
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(base + "/health", timeout=1).status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        assert proc.poll() is None, log.read_text()
+        time.sleep(0.2)
+    else:
+        proc.kill()
+        raise AssertionError("server did not become healthy:\n" + log.read_text())
+    yield base
+    proc.terminate()
+    try:
+        proc.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=server + "/v1", api_key=API_KEY, max_retries=0)
+
+
+def auth() -> dict[str, str]:
+    return {"Authorization": f"Bearer {API_KEY}"}
+
+
+def metrics(server) -> dict[str, float]:
+    text = httpx.get(server + "/metrics", headers=auth()).text
+    out = {}
+    for line in text.splitlines():
+        m = re.match(r'^(anna:[a-z_]+)(\{[^}]*\})? ([0-9.e+-]+)$', line)
+        if m:
+            labels = [kv for kv in re.findall(r'[a-z_]+="[^"]*"', m.group(2) or "") if not kv.startswith("model_name")]
+            key = m.group(1) + ("{" + ",".join(labels) + "}" if labels else "")
+            out[key] = float(m.group(3))
+    return out
+
+
+def wait_idle(server, timeout=20.0) -> dict[str, float]:
+    """Poll the metrics until no request runs or waits (bounded)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = metrics(server)
+        if m["anna:num_requests_running"] == 0 and m["anna:num_requests_waiting"] == 0 \
+                and m["anna:kv_cache_usage_perc"] == 0:
+            return m
+        assert time.monotonic() < deadline, m
+        time.sleep(0.05)
+
+
+def test_health_models_and_api_key_on_every_route(server):
+    assert httpx.get(server + "/health").status_code == 200  # no auth needed
+    for method, path in [("GET", "/v1/models"), ("GET", "/metrics"), ("POST", "/v1/chat/completions"),
+                         ("POST", "/v1/completions"), ("POST", "/tokenize"), ("POST", "/detokenize")]:
+        r = httpx.request(method, server + path, json={})
+        assert r.status_code == 401, path
+        assert r.json()["error"]["type"] == "authentication_error"
+        r = httpx.request(method, server + path, json={}, headers={"Authorization": "Bearer wrong"})
+        assert r.status_code == 401, path
+    models = httpx.get(server + "/v1/models", headers=auth()).json()
+    assert models["data"][0]["id"] == MODEL and models["data"][0]["max_model_len"] == 256
+
+
+def test_chat_non_streaming_with_usage(client):
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hello"}], max_tokens=5,
+                                       temperature=0)
+    assert r.object == "chat.completion"
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].finish_reason in ("stop", "length")
+    assert r.usage.completion_tokens <= 5 and r.usage.prompt_tokens > 0
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    assert r.usage.prompt_tokens_details.cached_tokens >= 0
+
+
+def test_chat_streaming_matches_non_streaming(client):
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "Tell me"}], max_tokens=12, temperature=0,
+              extra_body={"ignore_eos": True})
+    whole = client.chat.completions.create(**kw)
+    chunks = list(client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finals == ["length"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+
+
+def test_completions_prompt_forms(client):
+    a = client.completions.create(model=MODEL, prompt="abc", max_tokens=4, temperature=0)
+    assert a.object == "text_completion" and len(a.choices) == 1
+    b = client.completions.create(model=MODEL, prompt=["abc", "xyz"], max_tokens=4, temperature=0)
+    assert [c.index for c in b.choices] == [0, 1]
+    assert b.choices[0].text == a.choices[0].text
+    ids = httpx.post(client.base_url.join("/tokenize").__str__(), json={"prompt": "abc"}, headers=auth()).json()
+    c = client.completions.create(model=MODEL, prompt=ids["tokens"], max_tokens=4, temperature=0)
+    assert c.choices[0].text == a.choices[0].text
+    d = client.completions.create(model=MODEL, prompt=[ids["tokens"], ids["tokens"]], max_tokens=4, temperature=0)
+    assert [x.text for x in d.choices] == [a.choices[0].text] * 2
+    s = list(client.completions.create(model=MODEL, prompt="abc", max_tokens=4, temperature=0, stream=True))
+    assert "".join(x.choices[0].text for x in s) == a.choices[0].text
+
+
+def test_n_samples_and_seed(client):
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "Pick"}], max_tokens=8, temperature=1.0, seed=42,
+              extra_body={"ignore_eos": True})
+    r1 = client.chat.completions.create(**kw, n=2)
+    r2 = client.chat.completions.create(**kw, n=2)
+    assert [c.index for c in r1.choices] == [0, 1]
+    assert [c.message.content for c in r1.choices] == [c.message.content for c in r2.choices]
+    assert r1.usage.completion_tokens == 16
+    streamed = list(client.chat.completions.create(**kw, n=2, stream=True))
+    texts = ["".join(c.choices[0].delta.content or "" for c in streamed if c.choices and c.choices[0].index == i)
+             for i in range(2)]
+    assert texts == [c.message.content for c in r1.choices]
+
+
+def test_stop_string(client):
+    base = client.completions.create(model=MODEL, prompt="hello", max_tokens=16, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    stop = base[5:7]
+    assert len(stop) == 2
+    r = client.completions.create(model=MODEL, prompt="hello", max_tokens=16, temperature=0, stop=[stop],
+                                  extra_body={"ignore_eos": True})
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].text == base[:base.find(stop)]
+
+
+def test_logprobs(client):
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=3,
+                                       temperature=0, logprobs=True, top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    assert all(len(t.top_logprobs) == 3 and t.logprob <= 0 for t in content)
+    c = client.completions.create(model=MODEL, prompt="x", max_tokens=3, temperature=0, logprobs=2)
+    assert len(c.choices[0].logprobs.token_logprobs) == 3
+
+
+def test_multi_system_and_content_parts_are_accepted(client):
+    msgs = [{"role": "system", "content": "A"}, {"role": "user", "content": [{"type": "text", "text": "hi"},
+                                                                           {"type": "text", "text": "there"}]},
+            {"role": "system", "content": "B"}, {"role": "developer", "content": "C"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "42"},
+            {"role": "user", "content": None}]
+    r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=2)
+    assert r.choices[0].finish_reason in ("stop", "length")
+
+
+def test_tools_round_trip_reaches_the_prompt(client, server):
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                               "parameters": {"type": "object",
+                                                              "properties": {"city": {"type": "string"}}}}}]
+    for choice in ("auto", "required", {"type": "function", "function": {"name": "get_weather"}}, "none"):
+        r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Paris?"}],
+                                           tools=tools, tool_choice=choice, max_tokens=3)
+        assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    msgs = [{"role": "user", "content": "Paris?"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "call_1", "type": "function", "function": {"name": "get_weather",
+                                                                  "arguments": '{"city": "Paris"}'}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21C"}]
+    r = client.chat.completions.create(model=MODEL, messages=msgs, tools=tools, max_tokens=3)
+    assert r.choices[0].message.role == "assistant"
+    tok = httpx.post(server + "/tokenize", json={"messages": msgs}, headers=auth()).json()
+    text = httpx.post(server + "/detokenize", json={"tokens": tok["tokens"]}, headers=auth()).json()["prompt"]
+    assert "sunny, 21C" in text and "<|im_start|>tool" in text
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}, "temperature"),
+    ({"messages": [{"role": "user", "content": "x"}], "top_p": 2}, "top_p"),
+    ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, "max_tokens"),
+    ({"messages": [{"role": "user", "content": "x"}], "n": 5}, "n"),
+    ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 21, "logprobs": True}, "top_logprobs"),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "messages[0].content"),
+    ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}, "tool_choice"),
+    ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 300}, "max_tokens"),
+])
+def test_chat_errors_are_400_with_openai_shape(server, body, param):
+    for stream in (False, True):
+        r = httpx.post(server + "/v1/chat/completions", json={"model": MODEL, "stream": stream, **body},
+                       headers=auth())
+        assert r.status_code == 400, (body, r.text)
+        err = r.json()["error"]
+        assert err["type"] == "invalid_request_error" and err["param"] == param and err["message"]
+
+
+def test_prompt_too_long_message_gives_the_numbers(server):
+    r = httpx.post(server + "/v1/completions", json={"model": MODEL, "prompt": list(range(3, 203)),
+                                                     "max_tokens": 100}, headers=auth())
+    assert r.status_code == 400
+    assert "200 tokens" in r.json()["error"]["message"] and "max_model_len=256" in r.json()["error"]["message"]
+
+
+def test_invalid_json_unknown_model_and_bad_token_ids(server):
+    r = httpx.post(server + "/v1/completions", content=b"{not json", headers={**auth(),
+                                                                              "content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    r = httpx.post(server + "/v1/completions", json={"model": "gpt-5", "prompt": "x"}, headers=auth())
+    assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+    r = httpx.post(server + "/v1/completions", json={"model": MODEL, "prompt": [1, 2, 99999]}, headers=auth())
+    assert r.status_code == 400 and "outside the vocabulary" in r.json()["error"]["message"]
+    r = httpx.post(server + "/v1/completions", json={"model": MODEL, "prompt": []}, headers=auth())
+    assert r.status_code == 400
+    wait_idle(server)
+
+
+def test_unknown_fields_are_ignored(server):
+    r = httpx.post(server + "/v1/chat/completions", headers=auth(), json={
+        "model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "some_future_field": 1,
+        "user": "u1", "max_completion_tokens": 2})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 2
+
+
+def test_streaming_disconnect_frees_kv(server):
+    before = metrics(server)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "go"}], "max_tokens": 200, "stream": True,
+            "ignore_eos": True}
+    with httpx.stream("POST", server + "/v1/chat/completions", json=body, headers=auth(), timeout=30) as r:
+        lines = r.iter_lines()
+        got = 0
+        for line in lines:
+            if line.startswith("data: "):
+                got += 1
+            if got >= 4:
+                break
+    after = wait_idle(server)
+    assert after["anna:request_aborted_total"] == before["anna:request_aborted_total"] + 1
+
+
+def test_non_streaming_disconnect_frees_kv(server):
+    before = metrics(server)
+    body = {"model": MODEL, "prompt": "go", "max_tokens": 240, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server + "/v1/completions", json=body, headers=auth(), timeout=0.3)
+    after = wait_idle(server)
+    assert after["anna:request_aborted_total"] == before["anna:request_aborted_total"] + 1
+
+
+def test_32_concurrent_streaming_clients_complete(server):
+    async def one(client, i):
+        stream = await client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": f"client {i}"}], max_tokens=8, stream=True,
+            extra_body={"ignore_eos": True}, stream_options={"include_usage": True})
+        usage = None
+        async for chunk in stream:
+            if chunk.usage:
+                usage = chunk.usage
+        return usage.completion_tokens
+
+    async def main():
+        async with openai.AsyncOpenAI(base_url=server + "/v1", api_key=API_KEY, max_retries=0) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(32)))
+
+    assert asyncio.run(main()) == [8] * 32
+    wait_idle(server)
+
+
+def test_metrics_count_tokens_exactly(server, client):
+    before = metrics(server)
+    r = client.completions.create(model=MODEL, prompt="count me", max_tokens=7, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    after = wait_idle(server)
+    assert after["anna:generation_tokens_total"] - before["anna:generation_tokens_total"] == 7
+    assert after["anna:prompt_tokens_total"] - before["anna:prompt_tokens_total"] == r.usage.prompt_tokens
+    key = 'anna:request_success_total{finished_reason="length"}'
+    assert after[key] - before[key] == 1
