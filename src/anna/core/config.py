@@ -67,6 +67,10 @@ class ServeSettings:
         2, "Background threads that pre-read the next checkpoint shards while the current one is copied.")
     quantization: str | None = _setting("none", "Weight-only quantization applied at load time.",
                                         choices=("none",))
+    cpu_kernels: bool | None = _setting(
+        True, "Use Anna's compiled CPU matmul kernels for decode-sized matmuls (built with the C compiler).")
+    cpu_gemv_max_rows: int | None = _setting(
+        16, "Largest M (rows) routed to the CPU decode kernel; larger matmuls use torch.")
 
     # KV cache
     block_size: int | None = _setting(16, "Tokens per KV cache block.")

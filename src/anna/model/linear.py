@@ -1,10 +1,9 @@
-"""Linear layers and how their matmuls are executed.
+"""Linear layers and how their matmuls are executed, routed by M (rows of x).
 
-On CPUs without native bf16/fp16 matrix instructions, torch runs half-precision GEMMs with a
-slow generic kernel: fine for decode (M = 1-2 rows, bound by reading weights, where half the
-bytes wins) but several times slower than fp32 for prefill. So half-precision weights are kept
-as they are and, when a matmul has at least ``upcast_min_rows`` rows, upcast to fp32 for that
-matmul (benchmarks/matmul_routing.py measures the crossover).
+On CPU, decode-sized matmuls (M <= ``cpu_gemv_max_rows``) go to Anna's weight-streaming kernel,
+which reads each weight row once for all rows of x. Larger half-precision matmuls are upcast to
+fp32: torch's bf16/fp16 GEMM on CPUs without native half-precision matrix instructions is
+several times slower than its fp32 GEMM. benchmarks/matmul_routing.py measures the crossovers.
 """
 
 from __future__ import annotations
@@ -12,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from anna.model.cpu_kernels import CpuGemv
 import torch.nn.functional as F
 from torch import nn
 
@@ -20,7 +20,9 @@ from torch import nn
 class MatmulPolicy:
     """How Linear layers execute; one object shared by the whole model."""
 
-    cpu_upcast_min_rows: int = 12  # 0 = never upcast
+    cpu_gemv: CpuGemv | None = None  # Anna's CPU kernel, when it could be built
+    cpu_gemv_max_rows: int = 16
+    cpu_upcast_min_rows: int = 12  # without the kernel: half-precision matmuls from this M on run in fp32
 
 
 DEFAULT_POLICY = MatmulPolicy()
@@ -46,9 +48,13 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
+        if x.device.type != "cpu" or (w.dtype == x.dtype and x.dtype == torch.float32 and self.policy.cpu_gemv is None):
+            return F.linear(x, w, self.bias)
         rows = x.numel() // x.shape[-1]
-        if (x.device.type == "cpu" and w.dtype in (torch.bfloat16, torch.float16)
-                and 0 < self.policy.cpu_upcast_min_rows <= rows):
+        policy = self.policy
+        if policy.cpu_gemv is not None and rows <= policy.cpu_gemv_max_rows and policy.cpu_gemv.supports(w):
+            return policy.cpu_gemv(x, w, self.bias)
+        if w.dtype == torch.float32 or rows > policy.cpu_gemv_max_rows or 0 < policy.cpu_upcast_min_rows <= rows:
             bias = None if self.bias is None else self.bias.float()
             return F.linear(x.float(), w.float(), bias).to(x.dtype)
-        return F.linear(x, w, self.bias)
+        return F.linear(x.to(w.dtype), w, self.bias).to(x.dtype)  # small M without Anna's kernel

@@ -72,9 +72,10 @@ STACKED_PARAMS = {
 
 class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, max_positions: int,
-                 policy: MatmulPolicy = DEFAULT_POLICY) -> None:
+                 policy: MatmulPolicy = DEFAULT_POLICY, activation_dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.config = cfg
+        self.activation_dtype = activation_dtype or dtype
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, torch.float32)
         self.embed_tokens = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype), requires_grad=False)
         self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, policy) for _ in range(cfg.num_hidden_layers))
@@ -85,7 +86,7 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                 meta: AttentionMetadata) -> torch.Tensor:
-        x = self.embed_tokens[input_ids]
+        x = self.embed_tokens[input_ids].to(self.activation_dtype)
         rope = self.rotary.table(positions, x.dtype)
         for layer, kv in zip(self.layers, kv_caches):
             x = layer(rope, x, kv, meta)

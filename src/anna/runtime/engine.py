@@ -16,9 +16,10 @@ from anna.core.outputs import CompletionOutput, Logprob, RequestOutput
 from anna.core.request import Request, RequestStatus
 from anna.core.sampling_params import SamplingParams
 from anna.model.config import load_model_config
+from anna.model.cpu_kernels import build_cpu_gemv
 from anna.model.linear import MatmulPolicy
 from anna.runtime.kv_cache import KVCacheManager
-from anna.runtime.memory import plan_kv_cache, resolve_device, resolve_dtype
+from anna.runtime.memory import activation_dtype, plan_kv_cache, resolve_device, resolve_dtype
 from anna.runtime.metrics import EngineStats
 from anna.runtime.model_runner import ModelRunner
 from anna.runtime.sampler import Sampler
@@ -62,6 +63,7 @@ class LLMEngine:
         self.tokenizer = Tokenizer(s.tokenizer or self.model_dir)
         self.device = resolve_device(s.device)
         self.dtype = resolve_dtype(s.dtype, cfg)
+        self.activation_dtype = activation_dtype(self.dtype, self.device)
         self.max_model_len = s.max_model_len or cfg.max_position_embeddings
         if self.max_model_len > cfg.max_position_embeddings and cfg.rope_scaling is None:
             raise ValueError(f"max_model_len: {self.max_model_len} exceeds the model's max_position_embeddings "
@@ -69,9 +71,10 @@ class LLMEngine:
         log.info("Resolved settings:\n%s", s.table())
         model = load_model(self.model_dir, cfg, dtype=self.dtype, device=self.device,
                            max_positions=max(self.max_model_len, cfg.max_position_embeddings),
-                           pipeline_workers=s.weight_load_pipeline_workers, policy=MatmulPolicy(),
+                           pipeline_workers=s.weight_load_pipeline_workers, policy=self._matmul_policy(),
+                           activation_dtype=self.activation_dtype,
                            show_progress=show_progress)
-        plan = plan_kv_cache(cfg, self.dtype, self.device, block_size=s.block_size, max_model_len=self.max_model_len,
+        plan = plan_kv_cache(cfg, self.activation_dtype, self.device, block_size=s.block_size, max_model_len=self.max_model_len,
                              kv_cache_memory_gib=s.kv_cache_memory, num_blocks_override=s.num_gpu_blocks_override,
                              memory_utilization=s.memory_utilization, max_num_seqs=s.max_num_seqs)
         log.info(plan.describe(self.max_model_len))
@@ -82,12 +85,18 @@ class LLMEngine:
             prefill_interval_steps=s.prefill_interval_steps,
             event_driven_prefill_insert=s.scheduler_event_driven_prefill_insert,
             skip_batch_wait_when_idle=s.skip_batch_wait_when_idle, batch_wait_ms=s.batch_wait_ms), self.kv)
-        self.runner = ModelRunner(model, self.kv, self.device, self.dtype, Sampler(s.seed, self.device))
+        self.runner = ModelRunner(model, self.kv, self.device, self.activation_dtype, Sampler(s.seed, self.device))
         self.eos_token_ids = frozenset(cfg.eos_token_ids or
                                        ([self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []))
         self.stats = EngineStats()
         self.groups: dict[str, RequestGroup] = {}
         self._seqs: dict[str, tuple[RequestGroup, SequenceState]] = {}
+
+    def _matmul_policy(self) -> MatmulPolicy:
+        s = self.settings
+        gemv = build_cpu_gemv(s.cache_dir) if s.cpu_kernels and self.device.type == "cpu" else None
+        log.info("CPU decode kernel: %s", "Anna's (M <= %d)" % s.cpu_gemv_max_rows if gemv else "torch")
+        return MatmulPolicy(cpu_gemv=gemv, cpu_gemv_max_rows=s.cpu_gemv_max_rows)
 
     # ---- requests ----
     def encode_prompt(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:

@@ -40,6 +40,14 @@ def resolve_dtype(name: str, cfg: ModelConfig) -> torch.dtype:
     return DTYPES.get(str(cfg.torch_dtype).replace("torch.", ""), torch.bfloat16)
 
 
+def activation_dtype(weight_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """Activations and the KV cache: fp32 on CPU, where half-precision elementwise and batched
+    matmul ops are slower than fp32 and every conversion costs a kernel launch; the weights stay
+    in their own dtype (the CPU kernels read bf16/fp16 and accumulate in fp32). Elsewhere the
+    weight dtype."""
+    return torch.float32 if device.type == "cpu" else weight_dtype
+
+
 def available_host_memory() -> int:
     try:
         with open("/proc/meminfo") as fh:

@@ -64,12 +64,12 @@ def _read_shard(path: Path) -> dict[str, torch.Tensor]:
 
 def load_model(model_dir: str | Path, cfg: ModelConfig, *, dtype: torch.dtype, device: torch.device,
                max_positions: int, pipeline_workers: int = 2, policy: MatmulPolicy | None = None,
-               show_progress: bool = True) -> LlamaForCausalLM:
+               activation_dtype: torch.dtype | None = None, show_progress: bool = True) -> LlamaForCausalLM:
     model_dir = Path(model_dir)
     files = checkpoint_files(model_dir)
     start = time.perf_counter()
     with torch.device(device):
-        model = LlamaForCausalLM(cfg, dtype, max_positions, policy or MatmulPolicy())
+        model = LlamaForCausalLM(cfg, dtype, max_positions, policy or MatmulPolicy(), activation_dtype)
     needed = set(model.checkpoint_targets())
     loaded: set[str] = set()
     workers = max(1, pipeline_workers)

@@ -1,0 +1,146 @@
+/* Weight-streaming matmuls for CPU decode: y[M,N] = x[M,K] . W[N,K]^T (+ bias), M small.
+ *
+ * Decode is bound by reading weights. torch's half-precision GEMM on CPUs without native
+ * bf16/fp16 matrix instructions runs far below memory bandwidth and re-reads W once per row
+ * of x. These kernels read each weight row once for all M rows of x, convert bf16/fp16 to
+ * fp32 in registers (AVX2 + F16C), and split the output rows across threads.
+ * x, bias and y are fp32; W is bf16 (wtype 0), fp16 (1) or fp32 (2). */
+#include <immintrin.h>
+#include <stdint.h>
+#include <omp.h>
+
+#define MAX_M 8
+#define INLINE static inline __attribute__((always_inline))
+
+/* Weight rows are streamed from DRAM; the hardware prefetcher alone keeps too few in flight,
+ * so each loop prefetches the rows it will read next, one cache line (64 bytes) at a time. */
+INLINE void prefetch_rows(const void *w, int wtype, long row, int nrows, long K, long k) {
+    long esize = wtype == 2 ? 4 : 2;
+    const char *base = (const char *)w + (row * K + k) * esize;
+    for (int r = 0; r < nrows; r++) _mm_prefetch(base + r * K * esize, _MM_HINT_T0);
+}
+
+INLINE __m256 load8(const void *w, int wtype, long i) {
+    if (wtype == 0) {
+        __m128i v = _mm_loadu_si128((const __m128i *)((const uint16_t *)w + i));
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
+    } else if (wtype == 1) {
+        return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)w + i)));
+    }
+    return _mm256_loadu_ps((const float *)w + i);
+}
+
+INLINE float load1(const void *w, int wtype, long i) {
+    if (wtype == 0) {
+        uint32_t bits = ((uint32_t)((const uint16_t *)w)[i]) << 16;
+        float f;
+        __builtin_memcpy(&f, &bits, 4);
+        return f;
+    } else if (wtype == 1) {
+        return _cvtsh_ss(((const uint16_t *)w)[i]);
+    }
+    return ((const float *)w)[i];
+}
+
+static inline float hsum(__m256 v) {
+    __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
+    lo = _mm_add_ps(lo, hi);
+    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+    lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
+    return _mm_cvtss_f32(lo);
+}
+
+/* M == 1: four weight rows at a time, four independent FMA chains. */
+INLINE void gemv_rows(const float *x, const void *w, int wtype, const float *bias, float *y,
+                      long n_begin, long n_end, long K) {
+    long K8 = K & ~7L;
+    long n = n_begin;
+    for (; n + 4 <= n_end; n += 4) {
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        int ahead = n + 8 <= n_end;
+        for (long k = 0; k < K8; k += 8) {
+            __m256 xv = _mm256_loadu_ps(x + k);
+            if (ahead && (k & 31) == 0) prefetch_rows(w, wtype, n + 4, 4, K, k);
+            a0 = _mm256_fmadd_ps(load8(w, wtype, (n + 0) * K + k), xv, a0);
+            a1 = _mm256_fmadd_ps(load8(w, wtype, (n + 1) * K + k), xv, a1);
+            a2 = _mm256_fmadd_ps(load8(w, wtype, (n + 2) * K + k), xv, a2);
+            a3 = _mm256_fmadd_ps(load8(w, wtype, (n + 3) * K + k), xv, a3);
+        }
+        float s[4] = {hsum(a0), hsum(a1), hsum(a2), hsum(a3)};
+        for (long k = K8; k < K; k++)
+            for (int r = 0; r < 4; r++) s[r] += load1(w, wtype, (n + r) * K + k) * x[k];
+        for (int r = 0; r < 4; r++) y[n + r] = s[r] + (bias ? bias[n + r] : 0.0f);
+    }
+    for (; n < n_end; n++) {
+        __m256 a = _mm256_setzero_ps();
+        for (long k = 0; k < K8; k += 8) a = _mm256_fmadd_ps(load8(w, wtype, n * K + k), _mm256_loadu_ps(x + k), a);
+        float s = hsum(a);
+        for (long k = K8; k < K; k++) s += load1(w, wtype, n * K + k) * x[k];
+        y[n] = s + (bias ? bias[n] : 0.0f);
+    }
+}
+
+/* 2 <= M <= 8: one weight row at a time, used for every row of x. One function per M so
+ * that the accumulators live in registers. */
+#define DEFINE_GEMM_ROWS(MM)                                                                          \
+    INLINE void gemm_rows_##MM(const float *x, const void *w, int wtype, const float *bias, float *y, \
+                               long N, long n_begin, long n_end, long K) {                            \
+        long K8 = K & ~7L;                                                                            \
+        for (long n = n_begin; n < n_end; n++) {                                                      \
+            __m256 acc[MM];                                                                           \
+            for (int m = 0; m < MM; m++) acc[m] = _mm256_setzero_ps();                               \
+            for (long k = 0; k < K8; k += 8) {                                                        \
+                                 \
+                __m256 wv = load8(w, wtype, n * K + k);                                              \
+                for (int m = 0; m < MM; m++)                                                          \
+                    acc[m] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + m * K + k), acc[m]);            \
+            }                                                                                         \
+            for (int m = 0; m < MM; m++) {                                                            \
+                float s = hsum(acc[m]);                                                               \
+                for (long k = K8; k < K; k++) s += load1(w, wtype, n * K + k) * x[m * K + k];        \
+                y[m * N + n] = s + (bias ? bias[n] : 0.0f);                                          \
+            }                                                                                         \
+        }                                                                                             \
+    }
+DEFINE_GEMM_ROWS(2)
+DEFINE_GEMM_ROWS(3)
+DEFINE_GEMM_ROWS(4)
+DEFINE_GEMM_ROWS(5)
+DEFINE_GEMM_ROWS(6)
+DEFINE_GEMM_ROWS(7)
+DEFINE_GEMM_ROWS(8)
+
+/* wtype is a literal at each call of run_rows, so every row loop is compiled once per weight type. */
+INLINE void run_rows(const float *x, const void *w, int wtype, const float *bias, float *y, int M, long N,
+                     long b, long e, long K) {
+    switch (M) {
+        case 1: gemv_rows(x, w, wtype, bias, y, b, e, K); break;
+        case 2: gemm_rows_2(x, w, wtype, bias, y, N, b, e, K); break;
+        case 3: gemm_rows_3(x, w, wtype, bias, y, N, b, e, K); break;
+        case 4: gemm_rows_4(x, w, wtype, bias, y, N, b, e, K); break;
+        case 5: gemm_rows_5(x, w, wtype, bias, y, N, b, e, K); break;
+        case 6: gemm_rows_6(x, w, wtype, bias, y, N, b, e, K); break;
+        case 7: gemm_rows_7(x, w, wtype, bias, y, N, b, e, K); break;
+        default: gemm_rows_8(x, w, wtype, bias, y, N, b, e, K); break;
+    }
+}
+
+void anna_gemv(const float *x, const void *w, int wtype, const float *bias, float *y, int M, long N, long K,
+               int threads) {
+    for (int m0 = 0; m0 < M; m0 += MAX_M) {
+        int mb = M - m0 < MAX_M ? M - m0 : MAX_M;
+        const float *xb = x + (long)m0 * K;
+        float *yb = y + (long)m0 * N;
+        #pragma omp parallel num_threads(threads)
+        {
+            int t = omp_get_thread_num(), nt = omp_get_num_threads();
+            long chunk = ((N + nt - 1) / nt + 3) & ~3L;
+            long b = t * chunk, e = b + chunk < N ? b + chunk : N;
+            if (b < e) {
+                if (wtype == 0) run_rows(xb, w, 0, bias, yb, mb, N, b, e, K);
+                else if (wtype == 1) run_rows(xb, w, 1, bias, yb, mb, N, b, e, K);
+                else run_rows(xb, w, 2, bias, yb, mb, N, b, e, K);
+            }
+        }
+    }
+}
