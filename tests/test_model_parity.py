@@ -14,10 +14,13 @@ PROMPT = [(i * 37 + 11) % 700 + 3 for i in range(40)]  # longer than two 16-toke
 DECODE_STEPS = 32
 
 
-@pytest.fixture(scope="module")
-def engines(hf_models, cache_dir):
-    return {name: LLMEngine(engine_settings(path, cache_dir), show_progress=False)
-            for name, (_, path) in hf_models.items()}
+@pytest.fixture(scope="module", params=[True, False], ids=["anna_kernels", "torch_kernels"])
+def engines(request, hf_models, cache_dir):
+    """Every test runs with Anna's CPU kernels and with torch's alone."""
+    engines = {name: LLMEngine(engine_settings(path, cache_dir, cpu_kernels=request.param), show_progress=False)
+               for name, (_, path) in hf_models.items()}
+    assert all((e.runner.model.lm_head.policy.cpu is not None) == request.param for e in engines.values())
+    return engines
 
 
 @pytest.mark.parametrize("arch", ARCHS)

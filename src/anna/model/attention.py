@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from anna.model.cpu_kernels import CpuKernels
+
 
 @dataclass
 class PrefillChunk:
@@ -28,6 +30,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] long: cache slot (block * block_size + offset) of each new token
     num_decode_tokens: int  # the first tokens of the batch are single-token decodes
     decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks] long
+    decode_context_lens: torch.Tensor | None  # [num_decodes] long, the new token included
     decode_mask: torch.Tensor | None  # [num_decodes, padded context] bool, True = masked out
     prefills: list[PrefillChunk]
     block_size: int
@@ -53,7 +56,7 @@ def build_metadata(slot_mapping: torch.Tensor, starts: list[int], lens: list[int
                 mask &= kpos > qpos - sliding_window
         prefills.append(PrefillChunk(offset, qlen, ctx, tables_dev[j], mask))
         offset += qlen
-    decode_tables = decode_mask = None
+    decode_tables = decode_mask = decode_lens = None
     if num_decodes:
         ctx_list = [s + 1 for s in starts[:num_decodes]]
         max_ctx = max(ctx_list)
@@ -65,8 +68,10 @@ def build_metadata(slot_mapping: torch.Tensor, starts: list[int], lens: list[int
         if sliding_window is not None:
             masked |= pos < decode_ctx - sliding_window
         decode_mask = masked.to(device)
+        decode_lens = decode_ctx.view(-1).to(device)
     return AttentionMetadata(slot_mapping=slot_mapping.to(device), num_decode_tokens=num_decodes,
-                             decode_block_tables=decode_tables, decode_mask=decode_mask, prefills=prefills,
+                             decode_block_tables=decode_tables, decode_context_lens=decode_lens,
+                             decode_mask=decode_mask, prefills=prefills,
                              block_size=block_size)
 
 
@@ -77,14 +82,20 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """q: [T, H, D]; k, v: [T, KV, D] for the new tokens. Writes k/v to the cache, returns [T, H, D]."""
+                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, sliding_window: int | None,
+                    cpu: CpuKernels | None = None) -> torch.Tensor:
+    """q: [T, H, D]; k, v: [T, KV, D] for the new tokens. Writes k/v to the cache, returns [T, H, D].
+    (The sliding window is already in the masks; ``sliding_window`` is for the CPU kernel.)"""
     write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
     # Half-precision batched matmuls are slow on CPUs without native support: compute in fp32 there.
     compute_dtype = torch.float32 if q.device.type == "cpu" else q.dtype
     out = torch.empty_like(q)
     nd = meta.num_decode_tokens
-    if nd:
+    if nd and cpu is not None and q.dtype == torch.float32 and k_cache.dtype == torch.float32 \
+            and q.device.type == "cpu":
+        out[:nd] = cpu.decode_attention(q[:nd].contiguous(), k_cache, v_cache, meta.decode_block_tables.contiguous(),
+                                        meta.decode_context_lens, sliding_window, scale)
+    elif nd:
         out[:nd] = _decode_attention(q[:nd], k_cache, v_cache, meta, scale, compute_dtype)
     for chunk in meta.prefills:
         sl = slice(chunk.query_start, chunk.query_start + chunk.query_len)

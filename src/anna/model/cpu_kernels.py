@@ -17,10 +17,9 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "kernels" / "cpu_gemv.c"
+SOURCE = Path(__file__).parent / "kernels" / "cpu_kernels.c"
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC"]
 WEIGHT_TYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
-MAX_ROWS_PER_PASS = 8  # the kernel reads W once per 8 rows of x
 
 
 def cpu_has_avx2() -> bool:
@@ -31,32 +30,68 @@ def cpu_has_avx2() -> bool:
     return all(f" {flag}" in flags for flag in ("avx2", "fma", "f16c"))
 
 
-class CpuGemv:
-    """y = x W^T (+ b) for a few rows of x, reading each weight row once for all of them."""
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+class CpuKernels:
+    """ctypes bindings of kernels/cpu_kernels.c. Every tensor handed in is fp32 and contiguous
+    unless the method says otherwise; ``threads`` follows torch.get_num_threads()."""
 
     def __init__(self, library: Path) -> None:
-        self.lib = ctypes.CDLL(str(library))
-        fn = self.lib.anna_gemv
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
-                       ctypes.c_int, ctypes.c_long, ctypes.c_long, ctypes.c_int]
-        fn.restype = None
-        self.fn = fn
+        lib = ctypes.CDLL(str(library))
+        p, i, l, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
+        lib.anna_gemv.argtypes = [p, p, i, p, p, i, l, l, i]
+        lib.anna_add_rmsnorm.argtypes = [p, p, p, i, p, l, l, f, i]
+        lib.anna_rotary.argtypes = [p, l, l, l, l, p, p, p]
+        lib.anna_paged_decode_attention.argtypes = [p, p, p, p, l, p, l, l, l, l, l, l, f, p, i]
+        for fn in (lib.anna_gemv, lib.anna_add_rmsnorm, lib.anna_rotary, lib.anna_paged_decode_attention):
+            fn.restype = None
+        self.lib = lib
 
-    def supports(self, weight: torch.Tensor) -> bool:
+    @staticmethod
+    def supports_weight(weight: torch.Tensor) -> bool:
         return weight.dtype in WEIGHT_TYPES and weight.is_contiguous() and weight.device.type == "cpu"
 
-    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def gemv(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """y = x W^T (+ b) for a few rows of x, reading each weight row once for all of them."""
         k = x.shape[-1]
         x2 = x.reshape(-1, k).float().contiguous()
         rows, n = x2.shape[0], weight.shape[0]
         y = torch.empty(rows, n, dtype=torch.float32)
         b = None if bias is None else bias.float().contiguous()
-        self.fn(x2.data_ptr(), weight.data_ptr(), WEIGHT_TYPES[weight.dtype], None if b is None else b.data_ptr(),
-                y.data_ptr(), rows, n, k, torch.get_num_threads())
-        return y.view(*x.shape[:-1], n).to(x.dtype)
+        self.lib.anna_gemv(x2.data_ptr(), weight.data_ptr(), WEIGHT_TYPES[weight.dtype], _ptr(b), y.data_ptr(),
+                           rows, n, k, torch.get_num_threads())
+        return y.view(*x.shape[:-1], n)
+
+    def add_rmsnorm(self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
+                    eps: float) -> torch.Tensor:
+        """x += delta (in place, when given); return rmsnorm(x) * weight."""
+        out = torch.empty_like(x)
+        dim = x.shape[-1]
+        self.lib.anna_add_rmsnorm(x.data_ptr(), _ptr(delta), weight.data_ptr(), WEIGHT_TYPES[weight.dtype],
+                                  out.data_ptr(), x.numel() // dim, dim, eps, torch.get_num_threads())
+        return out
+
+    def rotary(self, x: torch.Tensor, heads: int, head_dim: int, cos_table: torch.Tensor, sin_table: torch.Tensor,
+               positions: torch.Tensor) -> None:
+        """Rotate ``heads`` heads at the start of each row of the 2-D view ``x``, in place."""
+        self.lib.anna_rotary(x.data_ptr(), x.stride(0), x.shape[0], heads, head_dim, cos_table.data_ptr(),
+                             sin_table.data_ptr(), positions.data_ptr())
+
+    def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
+                         context_lens: torch.Tensor, window: int | None, scale: float) -> torch.Tensor:
+        seqs, heads, dim = q.shape
+        blocks, block_size, kv_heads, _ = k_cache.shape
+        out = torch.empty_like(q)
+        self.lib.anna_paged_decode_attention(
+            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), tables.shape[1],
+            context_lens.data_ptr(), seqs, heads, kv_heads, dim, block_size, window or 0, scale, out.data_ptr(),
+            torch.get_num_threads())
+        return out
 
 
-def build_cpu_gemv(cache_dir: str | Path) -> CpuGemv | None:
+def build_cpu_kernels(cache_dir: str | Path) -> CpuKernels | None:
     """Compile (once per source version) and load the kernel; None if this machine cannot."""
     if not cpu_has_avx2():
         log.warning("CPU without AVX2/FMA/F16C: using torch's matmul kernels")
@@ -64,7 +99,7 @@ def build_cpu_gemv(cache_dir: str | Path) -> CpuGemv | None:
     compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
     digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode()).hexdigest()[:16]
     out_dir = Path(cache_dir).expanduser() / "kernels"
-    library = out_dir / f"anna_cpu_gemv_{digest}.so"
+    library = out_dir / f"anna_cpu_kernels_{digest}.so"
     if not library.exists():
         if compiler is None:
             log.warning("No C compiler found: using torch's matmul kernels (install gcc for faster CPU decode)")
@@ -83,7 +118,7 @@ def build_cpu_gemv(cache_dir: str | Path) -> CpuGemv | None:
             if os.path.exists(tmp):
                 os.unlink(tmp)
     try:
-        return CpuGemv(library)
+        return CpuKernels(library)
     except OSError as exc:
         log.warning("Could not load Anna's CPU kernels (%s): using torch's", exc)
         return None

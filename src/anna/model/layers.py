@@ -3,22 +3,37 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from anna.model.linear import DEFAULT_POLICY, Linear, MatmulPolicy
+from anna.model.linear import DEFAULT_POLICY, KernelPolicy, Linear
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, dtype: torch.dtype) -> None:
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype, policy: KernelPolicy = DEFAULT_POLICY) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype), requires_grad=False)
         self.eps = eps
+        self.policy = policy
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """norm(x); with a residual stream: residual += x, return (norm(residual), residual)."""
+        cpu = self.policy.cpu
+        if cpu is not None and x.dtype == torch.float32 and x.is_contiguous() and x.device.type == "cpu":
+            if residual is None:
+                return cpu.add_rmsnorm(x, None, self.weight, self.eps)
+            return cpu.add_rmsnorm(residual, x, self.weight, self.eps), residual
+        if residual is None:
+            return self._norm(x)
+        residual = residual + x
+        return self._norm(residual), residual
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
@@ -57,9 +72,19 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", freqs.cos().to(dtype), persistent=False)
         self.register_buffer("sin", freqs.sin().to(dtype), persistent=False)
 
-    def table(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin for the given positions, [T, 1, D/2]: looked up once per forward, used by every layer."""
-        return self.cos[positions].unsqueeze(-2).to(dtype), self.sin[positions].unsqueeze(-2).to(dtype)
+    def batch(self, positions: torch.Tensor, dtype: torch.dtype) -> "RopeBatch":
+        """Looked up once per forward, used by every layer."""
+        return RopeBatch(positions, self.cos, self.sin, self.cos[positions].unsqueeze(-2).to(dtype),
+                         self.sin[positions].unsqueeze(-2).to(dtype))
+
+
+@dataclass
+class RopeBatch:
+    positions: torch.Tensor  # [T] long
+    cos_table: torch.Tensor  # [max_positions, D/2] fp32, for the CPU kernel
+    sin_table: torch.Tensor
+    cos: torch.Tensor  # [T, 1, D/2] in the activation dtype, for the torch path
+    sin: torch.Tensor
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -71,7 +96,7 @@ class GatedMLP(nn.Module):
     """down(act(gate(x)) * up(x)), with gate and up fused into one matmul."""
 
     def __init__(self, hidden: int, intermediate: int, bias: bool, act: str, dtype: torch.dtype,
-                 policy: MatmulPolicy = DEFAULT_POLICY) -> None:
+                 policy: KernelPolicy = DEFAULT_POLICY) -> None:
         super().__init__()
         if act not in ("silu", "swish"):
             raise ValueError(f"hidden_act '{act}' is not supported (supported: silu)")

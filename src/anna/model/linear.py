@@ -11,21 +11,22 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from anna.model.cpu_kernels import CpuGemv
 import torch.nn.functional as F
 from torch import nn
 
+from anna.model.cpu_kernels import CpuKernels
+
 
 @dataclass
-class MatmulPolicy:
-    """How Linear layers execute; one object shared by the whole model."""
+class KernelPolicy:
+    """Which kernels the layers use; one object shared by the whole model."""
 
-    cpu_gemv: CpuGemv | None = None  # Anna's CPU kernel, when it could be built
+    cpu: CpuKernels | None = None  # Anna's CPU kernels, when they could be built
     cpu_gemv_max_rows: int = 16
-    cpu_upcast_min_rows: int = 12  # without the kernel: half-precision matmuls from this M on run in fp32
+    cpu_upcast_min_rows: int = 12  # without Anna's kernels: half-precision matmuls from this M on run in fp32
 
 
-DEFAULT_POLICY = MatmulPolicy()
+DEFAULT_POLICY = KernelPolicy()
 
 
 class Linear(nn.Module):
@@ -33,7 +34,7 @@ class Linear(nn.Module):
     (q/k/v, gate/up) so that one matmul serves them all."""
 
     def __init__(self, in_features: int, out_features: int | list[int], *, bias: bool, dtype: torch.dtype,
-                 policy: MatmulPolicy = DEFAULT_POLICY) -> None:
+                 policy: KernelPolicy = DEFAULT_POLICY) -> None:
         super().__init__()
         self.shard_sizes = list(out_features) if isinstance(out_features, list) else [out_features]
         self.in_features = in_features
@@ -47,14 +48,15 @@ class Linear(nn.Module):
         return slice(start, start + self.shard_sizes[shard])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.weight
-        if x.device.type != "cpu" or (w.dtype == x.dtype and x.dtype == torch.float32 and self.policy.cpu_gemv is None):
+        w, policy = self.weight, self.policy
+        if x.device.type != "cpu":
             return F.linear(x, w, self.bias)
         rows = x.numel() // x.shape[-1]
-        policy = self.policy
-        if policy.cpu_gemv is not None and rows <= policy.cpu_gemv_max_rows and policy.cpu_gemv.supports(w):
-            return policy.cpu_gemv(x, w, self.bias)
-        if w.dtype == torch.float32 or rows > policy.cpu_gemv_max_rows or 0 < policy.cpu_upcast_min_rows <= rows:
+        if policy.cpu is not None and rows <= policy.cpu_gemv_max_rows and policy.cpu.supports_weight(w):
+            return policy.cpu.gemv(x, w, self.bias).to(x.dtype)
+        if w.dtype == x.dtype:
+            return F.linear(x, w, self.bias)
+        if rows >= policy.cpu_upcast_min_rows or policy.cpu is not None:
             bias = None if self.bias is None else self.bias.float()
             return F.linear(x.float(), w.float(), bias).to(x.dtype)
-        return F.linear(x.to(w.dtype), w, self.bias).to(x.dtype)  # small M without Anna's kernel
+        return F.linear(x.to(w.dtype), w, self.bias).to(x.dtype)

@@ -14,50 +14,66 @@ from torch import nn
 
 from anna.model.attention import AttentionMetadata, paged_attention
 from anna.model.config import ModelConfig
-from anna.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary
-from anna.model.linear import DEFAULT_POLICY, Linear, MatmulPolicy
+from anna.model.layers import GatedMLP, RMSNorm, RopeBatch, RotaryEmbedding, apply_rotary
+from anna.model.linear import DEFAULT_POLICY, KernelPolicy, Linear
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
-Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin of the batch's positions
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, policy: MatmulPolicy) -> None:
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, policy: KernelPolicy) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkv_proj = Linear(cfg.hidden_size, [q_size, kv_size, kv_size], bias=cfg.attention_bias, dtype=dtype,
                                policy=policy)
         self.o_proj = Linear(q_size, cfg.hidden_size, bias=cfg.o_proj_bias, dtype=dtype, policy=policy)
-        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype, policy) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype, policy) if cfg.qk_norm else None
         self.scale = self.head_dim ** -0.5
+        self.sliding_window = cfg.sliding_window
         self.split = [q_size, kv_size, kv_size]
+        self.policy = policy
 
-    def forward(self, rope: Rope, x: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, rope: RopeBatch, x: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split(self.split, dim=-1)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
-        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+            q = self.q_norm(q.reshape(t, self.num_heads, self.head_dim)).view(t, -1)
+            k = self.k_norm(k.reshape(t, self.num_kv_heads, self.head_dim)).view(t, -1)
+        cpu = self.policy.cpu
+        if cpu is not None and qkv.dtype == torch.float32 and qkv.device.type == "cpu":
+            cpu.rotary(q, self.num_heads, self.head_dim, rope.cos_table, rope.sin_table, rope.positions)
+            cpu.rotary(k, self.num_kv_heads, self.head_dim, rope.cos_table, rope.sin_table, rope.positions)
+            q = q.view(t, self.num_heads, self.head_dim)
+            k = k.view(t, self.num_kv_heads, self.head_dim)
+        else:
+            q = apply_rotary(q.view(t, self.num_heads, self.head_dim), rope.cos, rope.sin)
+            k = apply_rotary(k.view(t, self.num_kv_heads, self.head_dim), rope.cos, rope.sin)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.sliding_window, cpu)
         return self.o_proj(out.view(t, -1))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, policy: MatmulPolicy) -> None:
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, policy: KernelPolicy) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, policy)
         self.self_attn = Attention(cfg, dtype, policy)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, policy)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, cfg.hidden_act, dtype, policy)
 
-    def forward(self, rope: Rope, x: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(rope, self.input_layernorm(x), kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, rope: RopeBatch, hidden: torch.Tensor, residual: torch.Tensor | None, kv_cache: KVCache,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """``residual`` is the running sum of the stream; ``hidden`` the previous block's output."""
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(rope, hidden, kv_cache, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 # Checkpoint name fragment -> (fused parameter name, shard index)
@@ -72,25 +88,26 @@ STACKED_PARAMS = {
 
 class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, max_positions: int,
-                 policy: MatmulPolicy = DEFAULT_POLICY, activation_dtype: torch.dtype | None = None) -> None:
+                 policy: KernelPolicy = DEFAULT_POLICY, activation_dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.config = cfg
         self.activation_dtype = activation_dtype or dtype
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, torch.float32)
         self.embed_tokens = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype), requires_grad=False)
         self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, policy) for _ in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, policy)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, policy=policy)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                 meta: AttentionMetadata) -> torch.Tensor:
-        x = self.embed_tokens[input_ids].to(self.activation_dtype)
-        rope = self.rotary.table(positions, x.dtype)
+        hidden = self.embed_tokens[input_ids].to(self.activation_dtype)  # a fresh tensor: the stream may mutate it
+        rope = self.rotary.batch(positions, hidden.dtype)
+        residual = None
         for layer, kv in zip(self.layers, kv_caches):
-            x = layer(rope, x, kv, meta)
-        return self.norm(x)
+            hidden, residual = layer(rope, hidden, residual, kv, meta)
+        return self.norm(hidden, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

@@ -16,8 +16,8 @@ from anna.core.outputs import CompletionOutput, Logprob, RequestOutput
 from anna.core.request import Request, RequestStatus
 from anna.core.sampling_params import SamplingParams
 from anna.model.config import load_model_config
-from anna.model.cpu_kernels import build_cpu_gemv
-from anna.model.linear import MatmulPolicy
+from anna.model.cpu_kernels import build_cpu_kernels
+from anna.model.linear import KernelPolicy
 from anna.runtime.kv_cache import KVCacheManager
 from anna.runtime.memory import activation_dtype, plan_kv_cache, resolve_device, resolve_dtype
 from anna.runtime.metrics import EngineStats
@@ -71,7 +71,7 @@ class LLMEngine:
         log.info("Resolved settings:\n%s", s.table())
         model = load_model(self.model_dir, cfg, dtype=self.dtype, device=self.device,
                            max_positions=max(self.max_model_len, cfg.max_position_embeddings),
-                           pipeline_workers=s.weight_load_pipeline_workers, policy=self._matmul_policy(),
+                           pipeline_workers=s.weight_load_pipeline_workers, policy=self._kernel_policy(),
                            activation_dtype=self.activation_dtype,
                            show_progress=show_progress)
         plan = plan_kv_cache(cfg, self.activation_dtype, self.device, block_size=s.block_size, max_model_len=self.max_model_len,
@@ -92,11 +92,12 @@ class LLMEngine:
         self.groups: dict[str, RequestGroup] = {}
         self._seqs: dict[str, tuple[RequestGroup, SequenceState]] = {}
 
-    def _matmul_policy(self) -> MatmulPolicy:
+    def _kernel_policy(self) -> KernelPolicy:
         s = self.settings
-        gemv = build_cpu_gemv(s.cache_dir) if s.cpu_kernels and self.device.type == "cpu" else None
-        log.info("CPU decode kernel: %s", "Anna's (M <= %d)" % s.cpu_gemv_max_rows if gemv else "torch")
-        return MatmulPolicy(cpu_gemv=gemv, cpu_gemv_max_rows=s.cpu_gemv_max_rows)
+        cpu = build_cpu_kernels(s.cache_dir) if s.cpu_kernels and self.device.type == "cpu" else None
+        if self.device.type == "cpu":
+            log.info("CPU kernels: %s", f"Anna's (matmuls up to M={s.cpu_gemv_max_rows})" if cpu else "torch's")
+        return KernelPolicy(cpu=cpu, cpu_gemv_max_rows=s.cpu_gemv_max_rows)
 
     # ---- requests ----
     def encode_prompt(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:

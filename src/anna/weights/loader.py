@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 from tqdm import tqdm
 
 from anna.model.config import ModelConfig, ModelLoadError
-from anna.model.linear import MatmulPolicy
+from anna.model.linear import KernelPolicy
 from anna.model.llama import LlamaForCausalLM
 
 log = logging.getLogger(__name__)
@@ -63,13 +63,13 @@ def _read_shard(path: Path) -> dict[str, torch.Tensor]:
 
 
 def load_model(model_dir: str | Path, cfg: ModelConfig, *, dtype: torch.dtype, device: torch.device,
-               max_positions: int, pipeline_workers: int = 2, policy: MatmulPolicy | None = None,
+               max_positions: int, pipeline_workers: int = 2, policy: KernelPolicy | None = None,
                activation_dtype: torch.dtype | None = None, show_progress: bool = True) -> LlamaForCausalLM:
     model_dir = Path(model_dir)
     files = checkpoint_files(model_dir)
     start = time.perf_counter()
     with torch.device(device):
-        model = LlamaForCausalLM(cfg, dtype, max_positions, policy or MatmulPolicy(), activation_dtype)
+        model = LlamaForCausalLM(cfg, dtype, max_positions, policy or KernelPolicy(), activation_dtype)
     needed = set(model.checkpoint_targets())
     loaded: set[str] = set()
     workers = max(1, pipeline_workers)

@@ -8,6 +8,8 @@
 #include <immintrin.h>
 #include <stdint.h>
 #include <omp.h>
+#include <math.h>
+#include <stdlib.h>
 
 #define MAX_M 8
 #define INLINE static inline __attribute__((always_inline))
@@ -142,5 +144,104 @@ void anna_gemv(const float *x, const void *w, int wtype, const float *bias, floa
                 else run_rows(xb, w, 2, bias, yb, mb, N, b, e, K);
             }
         }
+    }
+}
+
+/* ---- fused elementwise kernels for decode: one call instead of a chain of small torch ops ---- */
+
+/* x += delta (when given), then out = rmsnorm(x) * w, row by row. x, delta, out fp32. */
+void anna_add_rmsnorm(float *x, const float *delta, const void *w, int wtype, float *out, long rows, long dim,
+                      float eps, int threads) {
+    #pragma omp parallel for num_threads(threads) if (rows > 1)
+    for (long r = 0; r < rows; r++) {
+        float *xr = x + r * dim;
+        if (delta) {
+            const float *dr = delta + r * dim;
+            for (long i = 0; i < dim; i++) xr[i] += dr[i];
+        }
+        double ss = 0.0;
+        for (long i = 0; i < dim; i++) ss += (double)xr[i] * xr[i];
+        float inv = 1.0f / sqrtf((float)(ss / dim) + eps);
+        float *orow = out + r * dim;
+        for (long i = 0; i < dim; i++) orow[i] = load1(w, wtype, i) * (xr[i] * inv);
+    }
+}
+
+/* Neox-style rotary embedding, in place, on `heads` heads of size dim per token row. */
+void anna_rotary(float *x, long row_stride, long tokens, long heads, long dim, const float *cos_table,
+                 const float *sin_table, const long *positions) {
+    long half = dim / 2;
+    for (long t = 0; t < tokens; t++) {
+        const float *c = cos_table + positions[t] * half, *s = sin_table + positions[t] * half;
+        for (long h = 0; h < heads; h++) {
+            float *v = x + t * row_stride + h * dim;
+            for (long i = 0; i < half; i++) {
+                float a = v[i], b = v[i + half];
+                v[i] = a * c[i] - b * s[i];
+                v[i + half] = b * c[i] + a * s[i];
+            }
+        }
+    }
+}
+
+INLINE float dot(const float *a, const float *b, long n) {
+    __m256 acc = _mm256_setzero_ps();
+    long i = 0;
+    for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+    float s = hsum(acc);
+    for (; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+/* Decode attention over a paged fp32 KV cache: one query token per sequence.
+ * q, out: [seqs, heads, dim]; caches: [blocks, block_size, kv_heads, dim];
+ * tables: [seqs, table_width] block ids; ctx: tokens of each sequence (the new one included);
+ * window > 0 limits attention to the last `window` tokens. */
+void anna_paged_decode_attention(const float *q, const float *k_cache, const float *v_cache, const long *tables,
+                                 long table_width, const long *ctx, long seqs, long heads, long kv_heads, long dim,
+                                 long block_size, long window, float scale, float *out, int threads) {
+    long group = heads / kv_heads;
+    long kv_row = kv_heads * dim;
+    #pragma omp parallel num_threads(threads)
+    {
+        long cap = 0;
+        float *scores = 0;
+        #pragma omp for schedule(dynamic, 1)
+        for (long job = 0; job < seqs * heads; job++) {
+            long sq = job / heads, h = job % heads, kvh = h / group;
+            long n = ctx[sq], start = (window > 0 && n > window) ? n - window : 0;
+            if (n - start > cap) {
+                free(scores);
+                cap = n - start;
+                scores = (float *)malloc(sizeof(float) * cap);
+            }
+            const float *qv = q + (sq * heads + h) * dim;
+            const long *table = tables + sq * table_width;
+            float mx = -INFINITY;
+            for (long p = start; p < n; p++) {
+                const float *kv = k_cache + (table[p / block_size] * block_size + p % block_size) * kv_row + kvh * dim;
+                float sc = dot(qv, kv, dim) * scale;
+                scores[p - start] = sc;
+                if (sc > mx) mx = sc;
+            }
+            float sum = 0.0f;
+            for (long p = 0; p < n - start; p++) {
+                scores[p] = expf(scores[p] - mx);
+                sum += scores[p];
+            }
+            float inv = 1.0f / sum;
+            float *o = out + (sq * heads + h) * dim;
+            for (long i = 0; i < dim; i++) o[i] = 0.0f;
+            for (long p = start; p < n; p++) {
+                const float *vv = v_cache + (table[p / block_size] * block_size + p % block_size) * kv_row + kvh * dim;
+                float wgt = scores[p - start] * inv;
+                long i = 0;
+                __m256 wv = _mm256_set1_ps(wgt);
+                for (; i + 8 <= dim; i += 8)
+                    _mm256_storeu_ps(o + i, _mm256_fmadd_ps(wv, _mm256_loadu_ps(vv + i), _mm256_loadu_ps(o + i)));
+                for (; i < dim; i++) o[i] += wgt * vv[i];
+            }
+        }
+        free(scores);
     }
 }
