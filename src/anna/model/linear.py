@@ -22,8 +22,8 @@ class KernelPolicy:
     """Which kernels the layers use; one object shared by the whole model."""
 
     cpu: CpuKernels | None = None  # Anna's CPU kernels, when they could be built
-    cpu_gemv_max_rows: int = 16
-    cpu_upcast_min_rows: int = 12  # without Anna's kernels: half-precision matmuls from this M on run in fp32
+    cpu_gemv_max_rows: int = 32
+    cpu_upcast_min_rows: int = 8  # without Anna's kernels: half-precision matmuls from this M on run in fp32
 
 
 DEFAULT_POLICY = KernelPolicy()
@@ -56,7 +56,7 @@ class Linear(nn.Module):
             return policy.cpu.gemv(x, w, self.bias).to(x.dtype)
         if w.dtype == x.dtype:
             return F.linear(x, w, self.bias)
-        if rows >= policy.cpu_upcast_min_rows or policy.cpu is not None:
+        if policy.cpu is not None or 0 < policy.cpu_upcast_min_rows <= rows:
             bias = None if self.bias is None else self.bias.float()
             return F.linear(x.float(), w.float(), bias).to(x.dtype)
         return F.linear(x.to(w.dtype), w, self.bias).to(x.dtype)

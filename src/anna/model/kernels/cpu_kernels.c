@@ -11,7 +11,6 @@
 #include <math.h>
 #include <stdlib.h>
 
-#define MAX_M 8
 #define INLINE static inline __attribute__((always_inline))
 
 /* Weight rows are streamed from DRAM; the hardware prefetcher alone keeps too few in flight,
@@ -107,42 +106,73 @@ INLINE void gemv_rows(const float *x, const void *w, int wtype, const float *bia
 DEFINE_GEMM_ROWS(2)
 DEFINE_GEMM_ROWS(3)
 DEFINE_GEMM_ROWS(4)
-DEFINE_GEMM_ROWS(5)
-DEFINE_GEMM_ROWS(6)
-DEFINE_GEMM_ROWS(7)
-DEFINE_GEMM_ROWS(8)
+
+/* M >= 4: tiles of 3 weight rows x 4 rows of x, twelve accumulators in registers. Each 3-row
+ * slice of W stays in L1 while every group of 4 x rows passes over it, so W is read from memory
+ * once however large M is; per 8 columns the tile does 12 FMAs for 7 loads. */
+INLINE void gemm_tiles(const float *x, const void *w, int wtype, const float *bias, float *y, int M, long N,
+                       long n_begin, long n_end, long K) {
+    long K8 = K & ~7L;
+    int M4 = M & ~3;
+    long n = n_begin;
+    for (; n + 3 <= n_end; n += 3) {
+        for (int m = 0; m < M4; m += 4) {
+            __m256 acc[3][4];
+            for (int r = 0; r < 3; r++)
+                for (int j = 0; j < 4; j++) acc[r][j] = _mm256_setzero_ps();
+            for (long k = 0; k < K8; k += 8) {
+                __m256 w0 = load8(w, wtype, (n + 0) * K + k);
+                __m256 w1 = load8(w, wtype, (n + 1) * K + k);
+                __m256 w2 = load8(w, wtype, (n + 2) * K + k);
+                for (int j = 0; j < 4; j++) {
+                    __m256 xv = _mm256_loadu_ps(x + (m + j) * K + k);
+                    acc[0][j] = _mm256_fmadd_ps(w0, xv, acc[0][j]);
+                    acc[1][j] = _mm256_fmadd_ps(w1, xv, acc[1][j]);
+                    acc[2][j] = _mm256_fmadd_ps(w2, xv, acc[2][j]);
+                }
+            }
+            for (int r = 0; r < 3; r++)
+                for (int j = 0; j < 4; j++) {
+                    float s = hsum(acc[r][j]);
+                    for (long k = K8; k < K; k++) s += load1(w, wtype, (n + r) * K + k) * x[(m + j) * K + k];
+                    y[(m + j) * N + n + r] = s + (bias ? bias[n + r] : 0.0f);
+                }
+        }
+    }
+    /* leftovers: the last rows of W for all of x, and the last M % 4 rows of x */
+    if (n < n_end) {
+        for (int m = 0; m < M4; m += 4) gemm_rows_4(x + (long)m * K, w, wtype, bias, y + (long)m * N, N, n, n_end, K);
+    }
+    if (M4 < M) {
+        int rest = M - M4;
+        const float *xr = x + (long)M4 * K;
+        float *yr = y + (long)M4 * N;
+        if (rest == 1) gemv_rows(xr, w, wtype, bias, yr, n_begin, n_end, K);
+        else if (rest == 2) gemm_rows_2(xr, w, wtype, bias, yr, N, n_begin, n_end, K);
+        else gemm_rows_3(xr, w, wtype, bias, yr, N, n_begin, n_end, K);
+    }
+}
 
 /* wtype is a literal at each call of run_rows, so every row loop is compiled once per weight type. */
 INLINE void run_rows(const float *x, const void *w, int wtype, const float *bias, float *y, int M, long N,
                      long b, long e, long K) {
-    switch (M) {
-        case 1: gemv_rows(x, w, wtype, bias, y, b, e, K); break;
-        case 2: gemm_rows_2(x, w, wtype, bias, y, N, b, e, K); break;
-        case 3: gemm_rows_3(x, w, wtype, bias, y, N, b, e, K); break;
-        case 4: gemm_rows_4(x, w, wtype, bias, y, N, b, e, K); break;
-        case 5: gemm_rows_5(x, w, wtype, bias, y, N, b, e, K); break;
-        case 6: gemm_rows_6(x, w, wtype, bias, y, N, b, e, K); break;
-        case 7: gemm_rows_7(x, w, wtype, bias, y, N, b, e, K); break;
-        default: gemm_rows_8(x, w, wtype, bias, y, N, b, e, K); break;
-    }
+    if (M == 1) gemv_rows(x, w, wtype, bias, y, b, e, K);
+    else if (M == 2) gemm_rows_2(x, w, wtype, bias, y, N, b, e, K);
+    else if (M == 3) gemm_rows_3(x, w, wtype, bias, y, N, b, e, K);
+    else gemm_tiles(x, w, wtype, bias, y, M, N, b, e, K);
 }
 
 void anna_gemv(const float *x, const void *w, int wtype, const float *bias, float *y, int M, long N, long K,
                int threads) {
-    for (int m0 = 0; m0 < M; m0 += MAX_M) {
-        int mb = M - m0 < MAX_M ? M - m0 : MAX_M;
-        const float *xb = x + (long)m0 * K;
-        float *yb = y + (long)m0 * N;
-        #pragma omp parallel num_threads(threads)
-        {
-            int t = omp_get_thread_num(), nt = omp_get_num_threads();
-            long chunk = ((N + nt - 1) / nt + 3) & ~3L;
-            long b = t * chunk, e = b + chunk < N ? b + chunk : N;
-            if (b < e) {
-                if (wtype == 0) run_rows(xb, w, 0, bias, yb, mb, N, b, e, K);
-                else if (wtype == 1) run_rows(xb, w, 1, bias, yb, mb, N, b, e, K);
-                else run_rows(xb, w, 2, bias, yb, mb, N, b, e, K);
-            }
+    #pragma omp parallel num_threads(threads)
+    {
+        int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        long chunk = ((N + nt - 1) / nt + 11) / 12 * 12;  /* multiple of the 4-row and 3-row blocks */
+        long b = t * chunk, e = b + chunk < N ? b + chunk : N;
+        if (b < e) {
+            if (wtype == 0) run_rows(x, w, 0, bias, y, M, N, b, e, K);
+            else if (wtype == 1) run_rows(x, w, 1, bias, y, M, N, b, e, K);
+            else run_rows(x, w, 2, bias, y, M, N, b, e, K);
         }
     }
 }
