@@ -206,3 +206,36 @@ def test_abort_in_every_phase_frees_every_block(qwen2_dir, cache_dir, phase):
     engine.abort_request("victim")
     drain(engine)
     assert_pool_free(engine)
+
+
+def test_exact_prompt_cache_hits_and_outputs_unchanged(qwen2_dir, cache_dir):
+    prompts = [list(range(100, 140)), list(range(100, 141)), list(range(200, 230)), list(range(100, 140))]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    reference = make_engine(qwen2_dir, cache_dir, enable_prefix_caching=False)
+    engine = make_engine(qwen2_dir, cache_dir, prompt_cache_size=2, prompt_cache_max_tokens=64)
+    assert engine.prompt_cache.size == 2 and engine.prompt_cache.max_tokens == 64
+    for i, p in enumerate(prompts):
+        reference.add_request(f"q{i}", p, params)
+        engine.add_request(f"q{i}", p, params)
+    ref = drain(reference)
+    assert drain(engine) == ref  # q3 repeats q0 exactly but is submitted together: no hit yet
+    engine.add_request("again", prompts[0], params)
+    reference.add_request("again", prompts[0], params)
+    assert drain(engine)["again"] == drain(reference)["again"]
+    # lookups: 4 + 1; hits: only "again". The LRU keeps 2 prompts: q2 evicted q0, then q3 (= q0) put it back.
+    assert (engine.prompt_cache.lookups, engine.prompt_cache.hits) == (5, 1)
+    assert engine.kv.prefix_cache_queries == 0  # no double residency: covered prompts skip the prefix cache
+    assert len(engine.prompt_cache.entries) == 2
+    assert_pool_free(engine)
+
+
+def test_prompt_cache_auto_resolution(qwen2_dir, cache_dir):
+    engine = make_engine(qwen2_dir, cache_dir)
+    assert engine.prompt_cache.size == 0 and not engine.prompt_cache.enabled  # paged KV: off by default
+    engine = make_engine(qwen2_dir, cache_dir, prompt_cache_size=3)
+    assert engine.prompt_cache.max_tokens == 0  # explicitly on: no length limit unless asked
+    long_prompt = list(range(3, 103))
+    engine.add_request("x", long_prompt, SamplingParams(max_tokens=2, ignore_eos=True))
+    engine.add_request("y", long_prompt, SamplingParams(max_tokens=2, ignore_eos=True))
+    drain(engine)
+    assert engine.prompt_cache.hits == 0 and tuple(long_prompt) in engine.prompt_cache.entries

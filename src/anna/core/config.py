@@ -37,10 +37,10 @@ SCHEDULER_PROFILES: dict[str, dict[str, Any]] = {
 
 
 def _setting(default: Any, help: str, *, choices: tuple | None = None, env: str | None = None,
-             cli: bool = True) -> Any:
+             cli: bool = True, minimum: float = 0) -> Any:
     """A ServeSettings field: unset (None) until resolved; ``default`` is the built-in value."""
     return field(default=None, metadata={"default": default, "help": help, "choices": choices,
-                                         "env": env, "cli": cli})
+                                         "env": env, "cli": cli, "minimum": minimum})
 
 
 PROFILE = object()  # marker: the built-in default comes from the scheduler profile
@@ -80,6 +80,12 @@ class ServeSettings:
         0.0, "KV cache budget in GiB; 0 = automatic (a fraction of free device memory, on CPU of available RAM).")
     num_gpu_blocks_override: int | None = _setting(0, "Exact number of KV blocks (overrides the memory budget); 0 = off.")
     enable_prefix_caching: bool | None = _setting(True, "Share full KV blocks between requests with the same prefix.")
+    prompt_cache_size: int | None = _setting(
+        -1, "Whole prompts kept in the exact prompt cache; -1 = auto (4 when the KV layout is not paged, else 0), "
+            "0 = off.", minimum=-1)
+    prompt_cache_max_tokens: int | None = _setting(
+        -1, "Longest prompt the exact prompt cache keeps; -1 = auto (2048 when the cache is on by default, "
+            "else no limit), 0 = no limit.", minimum=-1)
 
     # Scheduler
     max_num_seqs: int | None = _setting(64, "Most requests running in one step.")
@@ -175,8 +181,8 @@ def parse_value(f: dataclasses.Field, raw: Any, origin: str) -> Any:
     choices = f.metadata.get("choices")
     if choices and value not in choices:
         raise ValueError(f"{f.name}: {value!r} from {origin} is not one of {', '.join(map(str, choices))}")
-    if typ in (int, float) and value < 0:
-        raise ValueError(f"{f.name}: {value!r} from {origin} must not be negative")
+    if typ in (int, float) and value < f.metadata.get("minimum", 0):
+        raise ValueError(f"{f.name}: {value!r} from {origin} must be >= {f.metadata.get('minimum', 0)}")
     return value
 
 

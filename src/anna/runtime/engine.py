@@ -22,6 +22,7 @@ from anna.runtime.kv_cache import KVCacheManager
 from anna.runtime.memory import activation_dtype, plan_kv_cache, resolve_device, resolve_dtype
 from anna.runtime.metrics import EngineStats
 from anna.runtime.model_runner import ModelRunner
+from anna.runtime.prompt_cache import PromptCache
 from anna.runtime.sampler import Sampler
 from anna.runtime.scheduler import Scheduler, SchedulerConfig
 from anna.weights.demo_model import DEMO_NOTICE, ensure_demo_model
@@ -79,12 +80,14 @@ class LLMEngine:
                              memory_utilization=s.memory_utilization, max_num_seqs=s.max_num_seqs)
         log.info(plan.describe(self.max_model_len))
         self.kv = KVCacheManager(plan.num_blocks, s.block_size, s.enable_prefix_caching)
+        self.prompt_cache = self._prompt_cache()
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
             max_model_len=self.max_model_len, long_prefill_token_threshold=s.long_prefill_token_threshold,
             prefill_interval_steps=s.prefill_interval_steps,
             event_driven_prefill_insert=s.scheduler_event_driven_prefill_insert,
-            skip_batch_wait_when_idle=s.skip_batch_wait_when_idle, batch_wait_ms=s.batch_wait_ms), self.kv)
+            skip_batch_wait_when_idle=s.skip_batch_wait_when_idle, batch_wait_ms=s.batch_wait_ms), self.kv,
+            self.prompt_cache)
         self.runner = ModelRunner(model, self.kv, self.device, self.activation_dtype, Sampler(s.seed, self.device))
         self.eos_token_ids = frozenset(cfg.eos_token_ids or
                                        ([self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []))
@@ -98,6 +101,17 @@ class LLMEngine:
         if self.device.type == "cpu":
             log.info("CPU kernels: %s", f"Anna's (matmuls up to M={s.cpu_gemv_max_rows})" if cpu else "torch's")
         return KernelPolicy(cpu=cpu, cpu_gemv_max_rows=s.cpu_gemv_max_rows, cpu_upcast_min_rows=s.cpu_upcast_min_rows)
+
+    def _prompt_cache(self) -> PromptCache:
+        """Resolve the exact prompt cache's auto values. Anna's KV layout is paged, so by default
+        block sharing serves repeated prompts and this cache is off."""
+        s = self.settings
+        kv_paged = True
+        size = s.prompt_cache_size if s.prompt_cache_size >= 0 else (0 if kv_paged else 4)
+        on_by_default = s.prompt_cache_size < 0 and size > 0
+        max_tokens = s.prompt_cache_max_tokens if s.prompt_cache_max_tokens >= 0 else (2048 if on_by_default else 0)
+        log.info("Exact prompt cache: size=%d max_tokens=%d%s", size, max_tokens, "" if size else " (off)")
+        return PromptCache(size, max_tokens)
 
     # ---- requests ----
     def encode_prompt(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
@@ -171,6 +185,9 @@ class LLMEngine:
         for req, n in zip(batch.requests, batch.num_new_tokens):
             req.num_computed_tokens += n
             if req.request_id in sampled:
+                if req.num_output_tokens == 0 and self.prompt_cache.covers(req.prompt_token_ids) \
+                        and req.prompt_token_ids not in self.prompt_cache:
+                    self.prompt_cache.insert(req.prompt_token_ids, self.runner.read_prompt_kv(req))
                 group, state = self._seqs[req.request_id]
                 token, logprobs = sampled[req.request_id]
                 self._append_token(state, token, logprobs)

@@ -127,7 +127,7 @@ class KVCacheManager:
     def get_computed_blocks(self, req: Request) -> tuple[list[KVBlock], int]:
         """Cached blocks holding a prefix of the request's tokens, and how many tokens they cover.
         The last token is always left to compute, so that there is a position to sample from."""
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or not req.register_prefix_blocks:
             return [], 0
         hits = []
         for h in self._hashes(req, req.num_tokens - 1):
@@ -137,9 +137,9 @@ class KVCacheManager:
             hits.append(block)
         return hits, len(hits) * self.block_size
 
-    def record_prefix_lookup(self, num_prompt_tokens: int, num_hit_tokens: int) -> None:
-        if self.enable_prefix_caching:
-            self.prefix_cache_queries += num_prompt_tokens
+    def record_prefix_lookup(self, req: Request, num_hit_tokens: int) -> None:
+        if self.enable_prefix_caching and req.register_prefix_blocks:
+            self.prefix_cache_queries += req.num_prompt_tokens
             self.prefix_cache_hits += num_hit_tokens
 
     def allocate_slots(self, req: Request, num_new_tokens: int, computed: list[KVBlock] = ()) -> bool:
@@ -155,7 +155,7 @@ class KVCacheManager:
         blocks.extend(computed)
         if need > 0:
             blocks.extend(self.pool.allocate(need))
-        if self.enable_prefix_caching:  # the tokens are known now; their KV is written this step
+        if self.enable_prefix_caching and req.register_prefix_blocks:  # tokens known now; KV written this step
             full = (num_computed + num_new_tokens) // self.block_size
             done = self.req_registered.get(req.request_id, 0)
             if full > done:

@@ -70,10 +70,31 @@ class ModelRunner:
         """Hidden states of every scheduled token, in model order."""
         return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
 
+    def _slots(self, request_id: str, num_tokens: int) -> torch.Tensor:
+        bs = self.kv.block_size
+        table = torch.tensor(self.kv.block_ids(request_id), dtype=torch.long)
+        pos = torch.arange(num_tokens)
+        return (table[pos // bs] * bs + pos % bs).to(self.device)
+
+    @torch.inference_mode()
+    def read_prompt_kv(self, req: Request) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Copies of the KV of all prompt tokens but the last, for the exact prompt cache."""
+        slots = self._slots(req.request_id, req.num_prompt_tokens - 1)
+        return [(k.flatten(0, 1)[slots].clone(), v.flatten(0, 1)[slots].clone()) for k, v in self.kv_caches]
+
+    @torch.inference_mode()
+    def write_prompt_kv(self, req: Request, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        slots = self._slots(req.request_id, kv[0][0].shape[0])
+        for (k_cache, v_cache), (k, v) in zip(self.kv_caches, kv):
+            k_cache.flatten(0, 1).index_copy_(0, slots, k)
+            v_cache.flatten(0, 1).index_copy_(0, slots, v)
+
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> dict[str, tuple[int, tuple | None]]:
         """Run one step; return the sampled token (and logprobs) of each request that finished
         its scheduled tokens with nothing left to compute (prefill done or a decode)."""
+        for req, entry in batch.restores:
+            self.write_prompt_kv(req, entry.kv)
         inputs = self.prepare(batch.requests, batch.num_new_tokens)
         hidden = self.forward(inputs)
         sampling = [(pos, batch.requests[i]) for pos, i in enumerate(inputs.order)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from anna.core.request import Request, RequestStatus
 from anna.runtime.kv_cache import KVCacheManager
+from anna.runtime.prompt_cache import PromptCache, PromptCacheEntry
 
 
 class StepClass(enum.Enum):
@@ -42,6 +43,7 @@ class ScheduledBatch:
     requests: list[Request] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    restores: list[tuple[Request, PromptCacheEntry]] = field(default_factory=list)  # exact prompt cache hits
     step_class: StepClass = StepClass.PURE_DECODE
 
     @property
@@ -53,9 +55,10 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, prompt_cache: PromptCache | None = None) -> None:
         self.config = config
         self.kv = kv
+        self.prompt_cache = prompt_cache or PromptCache(0, 0)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.steps_since_admission = 0
@@ -124,18 +127,28 @@ class Scheduler:
         if not batch.preempted and self._may_admit():
             while self.waiting and len(self.running) < cfg.max_num_seqs and budget > 0:
                 req = self.waiting[0]
-                computed, num_cached = [], 0
+                first_admission = req.num_cached_tokens < 0
+                computed, num_cached, restore = [], 0, None
                 if req.num_computed_tokens == 0:
-                    computed, num_cached = self.kv.get_computed_blocks(req)
+                    if self.prompt_cache.covers(req.prompt_token_ids):
+                        req.register_prefix_blocks = False  # no double residency
+                        restore = self.prompt_cache.lookup(req.prompt_token_ids, count=first_admission)
+                        num_cached = req.num_prompt_tokens - 1 if restore else 0
+                    else:
+                        computed, num_cached = self.kv.get_computed_blocks(req)
                 n = min(req.num_tokens - num_cached, budget)
                 if num_decoding:
                     n = min(n, cfg.long_prefill_token_threshold)
+                req.num_computed_tokens = num_cached if restore else 0
                 if not self.kv.allocate_slots(req, n, computed):
+                    req.num_computed_tokens = 0
                     break
                 self.waiting.popleft()
-                if req.num_cached_tokens < 0:  # first admission: count the prefix lookup once
+                if restore is not None:
+                    batch.restores.append((req, restore))
+                if first_admission:  # count the prefix lookup once per request
                     req.num_cached_tokens = num_cached
-                    self.kv.record_prefix_lookup(req.num_prompt_tokens, num_cached)
+                    self.kv.record_prefix_lookup(req, num_cached)
                     req.first_scheduled_time = time.monotonic()
                 req.num_computed_tokens = num_cached
                 req.status = RequestStatus.RUNNING
