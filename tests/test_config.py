@@ -1,0 +1,86 @@
+"""Settings: one resolver, explicit > env > profile > default, for every field; docs list every field."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from anna.cli.main import build_parser, settings_from_args
+from anna.core.config import PROFILE, SCHEDULER_PROFILES, ServeSettings, env_name, settings_fields
+
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "tuning.md"
+
+
+def sample_value(f: dataclasses.Field):
+    default = f.metadata["default"]
+    if f.metadata.get("choices"):
+        return [c for c in f.metadata["choices"] if c != default][0] if len(f.metadata["choices"]) > 1 else default
+    if default is PROFILE:
+        default = SCHEDULER_PROFILES["throughput"][f.name]
+    if isinstance(default, bool):
+        return not default
+    if isinstance(default, int):
+        return default + 3
+    if isinstance(default, float):
+        return default + 0.5
+    return "x-" + str(default)
+
+
+@pytest.mark.parametrize("f", settings_fields(), ids=lambda f: f.name)
+def test_precedence_for_every_field(f):
+    value = sample_value(f)
+    other = sample_value(f) if isinstance(value, str) and not f.metadata.get("choices") else value
+    env = {env_name(f): str(int(value) if isinstance(value, bool) else value)}
+    resolved = ServeSettings().resolve(env=env)
+    assert getattr(resolved, f.name) == value and resolved.sources[f.name] == "env"
+    explicit = ServeSettings(**{f.name: other}).resolve(env={env_name(f): "garbage" if f.metadata.get("choices")
+                                                             else env[env_name(f)]})
+    assert getattr(explicit, f.name) == other and explicit.sources[f.name] == "cli"
+    default = ServeSettings().resolve(env={})
+    assert default.sources[f.name] in ("default", "profile")
+
+
+def test_cli_flag_beats_env():
+    args = build_parser().parse_args(["serve", "--max-num-seqs", "7", "--no-enable-prefix-caching"])
+    resolved = settings_from_args(args).resolve(env={"ANNA_MAX_NUM_SEQS": "9", "ANNA_ENABLE_PREFIX_CACHING": "1",
+                                                     "ANNA_BLOCK_SIZE": "32"})
+    assert resolved.max_num_seqs == 7 and resolved.sources["max_num_seqs"] == "cli"
+    assert resolved.enable_prefix_caching is False
+    assert resolved.block_size == 32 and resolved.sources["block_size"] == "env"
+
+
+def test_profile_fills_unset_fields_and_explicit_wins():
+    r = ServeSettings(scheduler_profile="interactive").resolve(env={})
+    assert r.prefill_interval_steps == 1 and r.sources["prefill_interval_steps"] == "profile"
+    r = ServeSettings(scheduler_profile="interactive", prefill_interval_steps=9).resolve(env={})
+    assert r.prefill_interval_steps == 9
+    r = ServeSettings().resolve(env={"ANNA_SCHEDULER_PROFILE": "interactive", "ANNA_BATCH_WAIT_MS": "5"})
+    assert r.long_prefill_token_threshold == 256 and r.batch_wait_ms == 5.0
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"ANNA_MAX_NUM_SEQS": "lots"}, "max_num_seqs: 'lots' from ANNA_MAX_NUM_SEQS is not a valid int"),
+    ({"ANNA_ENABLE_PREFIX_CACHING": "maybe"}, "enable_prefix_caching: 'maybe'"),
+    ({"ANNA_DTYPE": "int3"}, "dtype: 'int3' from ANNA_DTYPE is not one of"),
+    ({"ANNA_BLOCK_SIZE": "-4"}, "block_size: -4 from ANNA_BLOCK_SIZE must be >= 0"),
+])
+def test_bad_env_values_name_the_field_and_variable(env, message):
+    with pytest.raises(ValueError) as exc:
+        ServeSettings().resolve(env=env)
+    assert str(exc.value).startswith(message)
+
+
+def test_help_shows_default_and_env_for_every_flag(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for f in settings_fields():
+        assert env_name(f) in text, f.name
+
+
+def test_tuning_doc_lists_every_setting():
+    doc = DOCS.read_text()
+    for f in settings_fields():
+        assert env_name(f) in doc, f"{f.name} is missing from docs/tuning.md"
