@@ -1,0 +1,38 @@
+"""/health before the model is ready and after it failed to load (in-process ASGI, no lifespan)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+
+from anna.core.config import ServeSettings
+from anna.server.app import create_app
+
+
+def get(app, path: str) -> httpx.Response:
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+            return await client.get(path)
+    return asyncio.run(go())
+
+
+def test_health_is_503_while_loading_and_routes_say_so(tmp_path):
+    app = create_app(ServeSettings(model=str(tmp_path), api_key="k").resolve(env={}))
+    r = get(app, "/health")  # lifespan not run: the model has not loaded
+    assert r.status_code == 503 and r.json()["status"] == "loading"
+    r = get(app, "/v1/models")
+    assert r.status_code == 401  # auth is checked first, even while loading
+
+
+def test_health_reports_a_failed_load(tmp_path):
+    app = create_app(ServeSettings(model=str(tmp_path / "missing")).resolve(env={}), load_in_background=False)
+
+    async def go():
+        async with app.router.lifespan_context(app):
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+                return await client.get("/health"), await client.get("/v1/models")
+
+    health, models = asyncio.run(go())
+    assert health.status_code == 503 and health.json()["status"] == "error"
+    assert models.status_code == 503 and "failed to load" in models.json()["error"]["message"]
