@@ -66,7 +66,17 @@ class ServeSettings:
     weight_load_pipeline_workers: int | None = _setting(
         2, "Background threads that pre-read the next checkpoint shards while the current one is copied.")
     quantization: str | None = _setting("none", "Weight-only quantization applied at load time.",
-                                        choices=("none",))
+                                        choices=("none", "int8", "int4"))
+    int4_group_size: int | None = _setting(32, "int4: input columns that share one scale.", choices=(32, 64, 128))
+    int4_matmul: str | None = _setting(
+        "auto", "int4 execution: packed (kernel reads int4), dequant (unpack + dense GEMM), auto (by M).",
+        choices=("auto", "packed", "dequant"))
+    int4_gemv_m_threshold: int | None = _setting(
+        4, "int4 auto routing: matmuls with M <= this use the packed kernel, larger ones dequant; 0 = always dequant.")
+    int4_cache_dir: str | None = _setting(
+        "", "Where the int4 layout cache lives; empty = {model}/.anna/int4_cache (user cache dir if read-only).")
+    int4_cache_load_workers: int | None = _setting(8, "Threads that read (and verify) the int4 layout cache.")
+    disable_int4_cache: bool | None = _setting(False, "Never read or write the int4 layout cache.")
     cpu_kernels: bool | None = _setting(
         True, "Use Anna's compiled CPU matmul kernels for decode-sized matmuls (built with the C compiler).")
     cpu_gemv_max_rows: int | None = _setting(

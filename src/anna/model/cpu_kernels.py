@@ -17,7 +17,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "kernels" / "cpu_kernels.c"
+SOURCES = [Path(__file__).parent / "kernels" / name for name in ("cpu_kernels.c", "quant_kernels.c")]
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC"]
 WEIGHT_TYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 
@@ -45,7 +45,10 @@ class CpuKernels:
         lib.anna_add_rmsnorm.argtypes = [p, p, p, i, p, l, l, f, i]
         lib.anna_rotary.argtypes = [p, l, l, l, l, p, p, p]
         lib.anna_paged_decode_attention.argtypes = [p, p, p, p, l, p, l, l, l, l, l, l, f, p, i]
-        for fn in (lib.anna_gemv, lib.anna_add_rmsnorm, lib.anna_rotary, lib.anna_paged_decode_attention):
+        lib.anna_qgemm.argtypes = [p, p, p, i, l, p, p, l, l, l, i]
+        lib.anna_dequant.argtypes = [p, p, i, l, p, l, l, p, i]
+        for fn in (lib.anna_gemv, lib.anna_add_rmsnorm, lib.anna_rotary, lib.anna_paged_decode_attention,
+                   lib.anna_qgemm, lib.anna_dequant):
             fn.restype = None
         self.lib = lib
 
@@ -63,6 +66,28 @@ class CpuKernels:
         self.lib.anna_gemv(x2.data_ptr(), weight.data_ptr(), WEIGHT_TYPES[weight.dtype], _ptr(b), y.data_ptr(),
                            rows, n, k, torch.get_num_threads())
         return y.view(*x.shape[:-1], n)
+
+    def qgemm(self, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, kind: int, group: int,
+              bias: torch.Tensor | None) -> torch.Tensor:
+        """y = x dequant(W)^T (+ b) from int8 (kind 0) or packed int4 (kind 1) weights."""
+        k = x.shape[-1]
+        x2 = x.reshape(-1, k).float().contiguous()
+        rows, n = x2.shape[0], qweight.shape[0]
+        y = torch.empty(rows, n, dtype=torch.float32)
+        b = None if bias is None else bias.float().contiguous()
+        self.lib.anna_qgemm(x2.data_ptr(), qweight.data_ptr(), scales.data_ptr(), kind, group, _ptr(b), y.data_ptr(),
+                            rows, n, k, torch.get_num_threads())
+        return y.view(*x.shape[:-1], n)
+
+    def dequant(self, qweight: torch.Tensor, scales: torch.Tensor, kind: int, group: int, k: int,
+                rows: torch.Tensor | None = None) -> torch.Tensor:
+        """fp32 weights of the given rows (all rows when None)."""
+        count = qweight.shape[0] if rows is None else rows.numel()
+        out = torch.empty(count, k, dtype=torch.float32)
+        idx = None if rows is None else rows.to(torch.long).contiguous()
+        self.lib.anna_dequant(qweight.data_ptr(), scales.data_ptr(), kind, group, _ptr(idx), count, k, out.data_ptr(),
+                              torch.get_num_threads())
+        return out
 
     def add_rmsnorm(self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
                     eps: float) -> torch.Tensor:
@@ -97,7 +122,7 @@ def build_cpu_kernels(cache_dir: str | Path) -> CpuKernels | None:
         log.warning("CPU without AVX2/FMA/F16C: using torch's matmul kernels")
         return None
     compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode()).hexdigest()[:16]
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + " ".join(CFLAGS).encode()).hexdigest()[:16]
     out_dir = Path(cache_dir).expanduser() / "kernels"
     library = out_dir / f"anna_cpu_kernels_{digest}.so"
     if not library.exists():
@@ -108,7 +133,8 @@ def build_cpu_kernels(cache_dir: str | Path) -> CpuKernels | None:
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
         os.close(fd)
         try:
-            subprocess.run([compiler, *CFLAGS, "-o", tmp, str(SOURCE)], check=True, capture_output=True, text=True)
+            subprocess.run([compiler, *CFLAGS, "-o", tmp, *map(str, SOURCES)], check=True, capture_output=True,
+                           text=True)
             os.replace(tmp, library)
         except (subprocess.CalledProcessError, OSError) as exc:
             detail = getattr(exc, "stderr", "") or str(exc)

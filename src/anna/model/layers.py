@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from anna.model.linear import DEFAULT_POLICY, KernelPolicy, Linear
+from anna.model.linear import DEFAULT_POLICY, KernelPolicy, make_linear
 
 
 class RMSNorm(nn.Module):
@@ -100,8 +100,8 @@ class GatedMLP(nn.Module):
         super().__init__()
         if act not in ("silu", "swish"):
             raise ValueError(f"hidden_act '{act}' is not supported (supported: silu)")
-        self.gate_up_proj = Linear(hidden, [intermediate, intermediate], bias=bias, dtype=dtype, policy=policy)
-        self.down_proj = Linear(intermediate, hidden, bias=bias, dtype=dtype, policy=policy)
+        self.gate_up_proj = make_linear(hidden, [intermediate, intermediate], bias=bias, dtype=dtype, policy=policy)
+        self.down_proj = make_linear(intermediate, hidden, bias=bias, dtype=dtype, policy=policy)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)

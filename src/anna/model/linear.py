@@ -15,6 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from anna.model.cpu_kernels import CpuKernels
+from anna.model.quantization import (INT4_BLOCK, dequantize_int4, dequantize_int8, quantize_int4,
+                                     quantize_int8)
 
 
 @dataclass
@@ -24,6 +26,10 @@ class KernelPolicy:
     cpu: CpuKernels | None = None  # Anna's CPU kernels, when they could be built
     cpu_gemv_max_rows: int = 32
     cpu_upcast_min_rows: int = 8  # without Anna's kernels: half-precision matmuls from this M on run in fp32
+    quantization: str = "none"  # none | int8 | int4
+    int4_group_size: int = 32
+    int4_matmul: str = "auto"  # auto | packed | dequant
+    int4_gemv_m_threshold: int = 4  # auto: packed kernel for M <= this, dequant + dense GEMM above
 
 
 DEFAULT_POLICY = KernelPolicy()
@@ -47,6 +53,13 @@ class Linear(nn.Module):
         start = sum(self.shard_sizes[:shard])
         return slice(start, start + self.shard_sizes[shard])
 
+    def load(self, kind: str, shard: int, tensor: torch.Tensor, name: str, where: str) -> None:
+        """Copy one checkpoint tensor (a weight or bias shard) into place."""
+        param = self.weight if kind == "weight" else self.bias
+        dest = param.data[self.shard_slice(shard)]
+        check_shape(name, where, tuple(dest.shape), tuple(tensor.shape))
+        dest.copy_(tensor)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w, policy = self.weight, self.policy
         if x.device.type != "cpu":
@@ -60,3 +73,86 @@ class Linear(nn.Module):
             bias = None if self.bias is None else self.bias.float()
             return F.linear(x.float(), w.float(), bias).to(x.dtype)
         return F.linear(x.to(w.dtype), w, self.bias).to(x.dtype)
+
+
+def check_shape(name: str, where: str, expected: tuple, got: tuple) -> None:
+    if expected != got:
+        from anna.model.config import ModelLoadError
+        raise ModelLoadError(f"{where}: tensor '{name}' has shape {list(got)}, but config.json implies {list(expected)}")
+
+
+class QuantLinear(nn.Module):
+    """A Linear whose weight is quantized at load time, shard by shard (see quantization.py).
+
+    Execution on CPU with Anna's kernels: the packed kernel reads int8/int4 directly (for int4,
+    when M <= ``int4_gemv_m_threshold`` under ``int4_matmul=auto``); otherwise the weight is
+    dequantized to fp32 and a dense GEMM runs. Without Anna's kernels, or on other devices,
+    always the dequantized path.
+    """
+
+    def __init__(self, in_features: int, out_features: int | list[int], *, bias: bool, dtype: torch.dtype,
+                 policy: KernelPolicy) -> None:
+        super().__init__()
+        self.shard_sizes = list(out_features) if isinstance(out_features, list) else [out_features]
+        self.in_features = in_features
+        self.out_features = n = sum(self.shard_sizes)
+        self.kind = 0 if policy.quantization == "int8" else 1
+        self.group = policy.int4_group_size if self.kind == 1 else 0
+        if self.kind == 1 and in_features % self.group:
+            raise ValueError(f"int4_group_size: {self.group} does not divide the input size {in_features}")
+        if in_features % INT4_BLOCK:
+            raise ValueError(f"quantization: input size {in_features} is not a multiple of {INT4_BLOCK}")
+        if self.kind == 0:
+            self.register_buffer("qweight", torch.zeros(n, in_features, dtype=torch.int8))
+            self.register_buffer("scales", torch.zeros(n, dtype=torch.float32))
+        else:
+            self.register_buffer("qweight", torch.zeros(n, in_features // 2, dtype=torch.uint8))
+            self.register_buffer("scales", torch.zeros(n, in_features // self.group, dtype=torch.float32))
+        self.bias = nn.Parameter(torch.zeros(n, dtype=dtype), requires_grad=False) if bias else None
+        self.policy = policy
+
+    shard_slice = Linear.shard_slice
+
+    def load(self, kind: str, shard: int, tensor: torch.Tensor, name: str, where: str) -> None:
+        rows = self.shard_slice(shard)
+        if kind == "bias":
+            check_shape(name, where, (rows.stop - rows.start,), tuple(tensor.shape))
+            self.bias.data[rows].copy_(tensor)
+            return
+        check_shape(name, where, (rows.stop - rows.start, self.in_features), tuple(tensor.shape))
+        if self.kind == 0:
+            q, scale = quantize_int8(tensor)
+        else:
+            q, scale = quantize_int4(tensor, self.group)
+        self.qweight[rows].copy_(q)
+        self.scales[rows].copy_(scale)
+
+    def dequantized(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """fp32 weights (of the given rows): the dense fallback, and embedding lookups."""
+        cpu = self.policy.cpu
+        if cpu is not None and self.qweight.device.type == "cpu":
+            return cpu.dequant(self.qweight, self.scales, self.kind, self.group, self.in_features, rows)
+        q = self.qweight if rows is None else self.qweight[rows]
+        s = self.scales if rows is None else self.scales[rows]
+        return dequantize_int8(q, s) if self.kind == 0 else dequantize_int4(q, s, self.group)
+
+    def uses_packed_kernel(self, rows: int) -> bool:
+        p = self.policy
+        if p.cpu is None or self.qweight.device.type != "cpu":
+            return False
+        if self.kind == 0:
+            return rows <= p.cpu_gemv_max_rows
+        return p.int4_matmul == "packed" or (p.int4_matmul == "auto" and rows <= p.int4_gemv_m_threshold)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1]
+        if self.uses_packed_kernel(rows):
+            return self.policy.cpu.qgemm(x, self.qweight, self.scales, self.kind, self.group, self.bias).to(x.dtype)
+        w = self.dequantized().to(x.dtype)
+        return F.linear(x, w, None if self.bias is None else self.bias.to(x.dtype))
+
+
+def make_linear(in_features: int, out_features: int | list[int], *, bias: bool, dtype: torch.dtype,
+                policy: KernelPolicy = DEFAULT_POLICY) -> Linear | QuantLinear:
+    cls = QuantLinear if policy.quantization != "none" else Linear
+    return cls(in_features, out_features, bias=bias, dtype=dtype, policy=policy)

@@ -7,7 +7,8 @@ hidden states of the positions that get sampled to logits.
 
 from __future__ import annotations
 
-from typing import Iterable
+from functools import partial
+from typing import Callable, Iterable
 
 import torch
 from torch import nn
@@ -15,7 +16,7 @@ from torch import nn
 from anna.model.attention import AttentionMetadata, paged_attention
 from anna.model.config import ModelConfig
 from anna.model.layers import GatedMLP, RMSNorm, RopeBatch, RotaryEmbedding, apply_rotary
-from anna.model.linear import DEFAULT_POLICY, KernelPolicy, Linear
+from anna.model.linear import DEFAULT_POLICY, KernelPolicy, Linear, QuantLinear, check_shape, make_linear
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -25,9 +26,9 @@ class Attention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.qkv_proj = Linear(cfg.hidden_size, [q_size, kv_size, kv_size], bias=cfg.attention_bias, dtype=dtype,
+        self.qkv_proj = make_linear(cfg.hidden_size, [q_size, kv_size, kv_size], bias=cfg.attention_bias, dtype=dtype,
                                policy=policy)
-        self.o_proj = Linear(q_size, cfg.hidden_size, bias=cfg.o_proj_bias, dtype=dtype, policy=policy)
+        self.o_proj = make_linear(q_size, cfg.hidden_size, bias=cfg.o_proj_bias, dtype=dtype, policy=policy)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype, policy) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype, policy) if cfg.qk_norm else None
         self.scale = self.head_dim ** -0.5
@@ -93,16 +94,27 @@ class LlamaForCausalLM(nn.Module):
         self.config = cfg
         self.activation_dtype = activation_dtype or dtype
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, torch.float32)
-        self.embed_tokens = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype), requires_grad=False)
         self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, policy) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, policy)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, policy=policy)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens
+        self.lm_head = make_linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, policy=policy)
+        if cfg.tie_word_embeddings and isinstance(self.lm_head, QuantLinear):
+            # The quantized lm_head is the only copy: lookups dequantize the rows they need.
+            self.register_parameter("embed_tokens", None)
+        else:
+            self.embed_tokens = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype),
+                                             requires_grad=False)
+            if cfg.tie_word_embeddings:
+                self.lm_head.weight = self.embed_tokens
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """A fresh tensor (the residual stream may be updated in place)."""
+        if self.embed_tokens is None:
+            return self.lm_head.dequantized(input_ids).to(self.activation_dtype)
+        return self.embed_tokens[input_ids].to(self.activation_dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                 meta: AttentionMetadata) -> torch.Tensor:
-        hidden = self.embed_tokens[input_ids].to(self.activation_dtype)  # a fresh tensor: the stream may mutate it
+        hidden = self.embed(input_ids)
         rope = self.rotary.batch(positions, hidden.dtype)
         residual = None
         for layer, kv in zip(self.layers, kv_caches):
@@ -113,51 +125,51 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden).float()
 
     # ---- weights ----
-    def checkpoint_targets(self) -> dict[str, tuple[nn.Parameter, Linear | None, int]]:
-        """Map every checkpoint tensor name this model needs to (parameter, fused Linear, shard index)."""
-        targets: dict[str, tuple[nn.Parameter, Linear | None, int]] = {}
-        params = dict(self.named_parameters(remove_duplicate=False))
-        modules = dict(self.named_modules())
-        for name, param in params.items():
-            ckpt = _checkpoint_name(name)
-            if self.config.tie_word_embeddings and name == "lm_head.weight":
-                continue
-            module_name, _, kind = name.rpartition(".")
-            module = modules.get(module_name)
-            if isinstance(module, Linear) and len(module.shard_sizes) > 1:
-                for fragment, (fused, shard) in STACKED_PARAMS.items():
-                    if fused in "." + name:
-                        targets[ckpt.replace(fused, fragment)] = (param, module, shard)
-            else:
-                targets[ckpt] = (param, module if isinstance(module, Linear) else None, 0)
+    def checkpoint_targets(self) -> dict[str, Callable[[torch.Tensor, str, str], None]]:
+        """Every checkpoint tensor this model needs -> a function(tensor, name, where) that loads it."""
+        targets: dict[str, Callable[[torch.Tensor, str, str], None]] = {}
+        tied = self.config.tie_word_embeddings
+        for mod_name, module in self.named_modules():
+            if isinstance(module, (Linear, QuantLinear)):
+                prefix = "lm_head" if mod_name == "lm_head" else "model." + mod_name
+                for kind in ("weight", "bias"):
+                    if kind == "bias" and module.bias is None:
+                        continue
+                    if len(module.shard_sizes) == 1:
+                        names = [(f"{prefix}.{kind}", 0)]
+                    else:
+                        names = [(f"{prefix}.{kind}".replace(fused, fragment), shard)
+                                 for fragment, (fused, shard) in STACKED_PARAMS.items() if fused in prefix + "."]
+                    for ckpt, shard in names:
+                        targets[ckpt] = partial(_load_linear, module, kind, shard)
+            elif isinstance(module, RMSNorm):
+                targets[f"model.{mod_name}.weight"] = partial(_copy_into, module.weight)
+        if self.embed_tokens is not None:
+            targets["model.embed_tokens.weight"] = partial(_copy_into, self.embed_tokens)
+        if tied:
+            loader = targets.pop("lm_head.weight")
+            if self.embed_tokens is None:  # quantized: the embedding checkpoint tensor feeds the lm_head
+                targets["model.embed_tokens.weight"] = loader
         return targets
 
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]], where: str) -> set[str]:
-        """Copy checkpoint tensors into the parameters; return the checkpoint names consumed."""
+        """Load checkpoint tensors (converting or quantizing them); return the names consumed."""
         targets = self.checkpoint_targets()
         loaded = set()
         for name, tensor in tensors:
-            if name not in targets:
+            target = targets.get(name)
+            if target is None:
                 continue  # e.g. rotary inv_freq buffers, a tied lm_head
-            param, linear, shard = targets[name]
-            dest = param.data
-            if linear is not None and len(linear.shard_sizes) > 1:
-                dest = dest[linear.shard_slice(shard)]
-            if tuple(dest.shape) != tuple(tensor.shape):
-                raise_shape_mismatch(name, where, tuple(dest.shape), tuple(tensor.shape))
-            dest.copy_(tensor)
+            target(tensor, name, where)
             loaded.add(name)
         return loaded
 
 
-def raise_shape_mismatch(name: str, where: str, expected: tuple, got: tuple) -> None:
-    from anna.model.config import ModelLoadError
-    raise ModelLoadError(f"{where}: tensor '{name}' has shape {list(got)}, but config.json implies {list(expected)}")
+def _load_linear(module: Linear | QuantLinear, kind: str, shard: int, tensor: torch.Tensor, name: str,
+                 where: str) -> None:
+    module.load(kind, shard, tensor, name, where)
 
 
-def _checkpoint_name(param_name: str) -> str:
-    if param_name == "embed_tokens":
-        return "model.embed_tokens.weight"
-    if param_name.startswith("lm_head."):
-        return param_name
-    return "model." + param_name
+def _copy_into(param: torch.Tensor, tensor: torch.Tensor, name: str, where: str) -> None:
+    check_shape(name, where, tuple(param.shape), tuple(tensor.shape))
+    param.data.copy_(tensor)

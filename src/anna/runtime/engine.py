@@ -26,7 +26,7 @@ from anna.runtime.prompt_cache import PromptCache
 from anna.runtime.sampler import Sampler
 from anna.runtime.scheduler import Scheduler, SchedulerConfig
 from anna.weights.demo_model import DEMO_NOTICE, ensure_demo_model
-from anna.weights.loader import load_model
+from anna.weights.loader import Int4CacheOptions, load_model
 from anna.weights.tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger(__name__)
@@ -74,6 +74,8 @@ class LLMEngine:
                            max_positions=max(self.max_model_len, cfg.max_position_embeddings),
                            pipeline_workers=s.weight_load_pipeline_workers, policy=self._kernel_policy(),
                            activation_dtype=self.activation_dtype,
+                           int4_cache=Int4CacheOptions(not s.disable_int4_cache, s.int4_cache_dir,
+                                                       s.int4_cache_load_workers, s.cache_dir),
                            show_progress=show_progress)
         plan = plan_kv_cache(cfg, self.activation_dtype, self.device, block_size=s.block_size, max_model_len=self.max_model_len,
                              kv_cache_memory_gib=s.kv_cache_memory, num_blocks_override=s.num_gpu_blocks_override,
@@ -100,7 +102,9 @@ class LLMEngine:
         cpu = build_cpu_kernels(s.cache_dir) if s.cpu_kernels and self.device.type == "cpu" else None
         if self.device.type == "cpu":
             log.info("CPU kernels: %s", f"Anna's (matmuls up to M={s.cpu_gemv_max_rows})" if cpu else "torch's")
-        return KernelPolicy(cpu=cpu, cpu_gemv_max_rows=s.cpu_gemv_max_rows, cpu_upcast_min_rows=s.cpu_upcast_min_rows)
+        return KernelPolicy(cpu=cpu, cpu_gemv_max_rows=s.cpu_gemv_max_rows, cpu_upcast_min_rows=s.cpu_upcast_min_rows,
+                            quantization=s.quantization, int4_group_size=s.int4_group_size,
+                            int4_matmul=s.int4_matmul, int4_gemv_m_threshold=s.int4_gemv_m_threshold)
 
     def _prompt_cache(self) -> PromptCache:
         """Resolve the exact prompt cache's auto values. Anna's KV layout is paged, so by default

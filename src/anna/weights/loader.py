@@ -11,6 +11,7 @@ import json
 import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -19,6 +20,7 @@ from safetensors.torch import load_file
 from tqdm import tqdm
 
 from anna.model.config import ModelConfig, ModelLoadError
+from anna.weights import int4_cache as int4_cache_mod
 from anna.model.linear import KernelPolicy
 from anna.model.llama import LlamaForCausalLM
 
@@ -62,14 +64,34 @@ def _read_shard(path: Path) -> dict[str, torch.Tensor]:
         raise ModelLoadError(f"{path}: cannot read safetensors file ({exc})") from None
 
 
+@dataclass
+class Int4CacheOptions:
+    enabled: bool = True
+    directory: str = ""  # empty: {model}/.anna/int4_cache
+    load_workers: int = 8
+    user_cache_dir: str = "~/.cache/anna"
+
+
 def load_model(model_dir: str | Path, cfg: ModelConfig, *, dtype: torch.dtype, device: torch.device,
                max_positions: int, pipeline_workers: int = 2, policy: KernelPolicy | None = None,
-               activation_dtype: torch.dtype | None = None, show_progress: bool = True) -> LlamaForCausalLM:
+               activation_dtype: torch.dtype | None = None, show_progress: bool = True,
+               int4_cache: Int4CacheOptions | None = None) -> LlamaForCausalLM:
     model_dir = Path(model_dir)
     files = checkpoint_files(model_dir)
     start = time.perf_counter()
+    policy = policy or KernelPolicy()
     with torch.device(device):
-        model = LlamaForCausalLM(cfg, dtype, max_positions, policy or KernelPolicy(), activation_dtype)
+        model = LlamaForCausalLM(cfg, dtype, max_positions, policy, activation_dtype)
+    entry = None
+    cache = int4_cache or Int4CacheOptions()
+    if policy.quantization == "int4" and cache.enabled:
+        root = int4_cache_mod.cache_root(model_dir, cache.directory, cache.user_cache_dir)
+        entry = root / int4_cache_mod.cache_key(files, policy.int4_group_size, device)
+        state = int4_cache_mod.load_entry(entry, cache.load_workers)
+        if state is not None:
+            model.load_state_dict(state, strict=True)
+            log.info("Loaded the int4 layout from %s in %.2f s", entry, time.perf_counter() - start)
+            return model
     needed = set(model.checkpoint_targets())
     loaded: set[str] = set()
     workers = max(1, pipeline_workers)
@@ -90,6 +112,13 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, *, dtype: torch.dtype, d
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise ModelLoadError(f"{model_dir}: checkpoint is missing tensors: {shown}")
     elapsed = time.perf_counter() - start
-    nbytes = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
+    tensors = {id(t): t for t in [*model.parameters(), *model.buffers(recurse=True)]}.values()
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
     log.info("Loaded %d shard(s), %.1f MiB of weights on %s in %.2f s", len(files), nbytes / 2**20, device, elapsed)
+    if entry is not None:
+        try:
+            int4_cache_mod.save_entry(entry, model.state_dict(), cache.load_workers)
+            log.info("Saved the int4 layout cache to %s", entry)
+        except OSError as exc:
+            log.warning("Could not write the int4 layout cache to %s (%s)", entry, exc)
     return model

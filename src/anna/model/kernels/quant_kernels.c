@@ -1,0 +1,167 @@
+/* Weight-only quantized matmuls for CPU decode: y[M,N] = x[M,K] . dequant(W)[N,K]^T (+ bias).
+ *
+ * Weights: int8 with one scale per output row, or int4 with one scale per group of G input
+ * columns (symmetric, stored as q + 8 in a nibble). Each group of 32 weights of an int4 row is
+ * 16 bytes: byte i holds weight i (low nibble) and weight i + 16 (high nibble).
+ * x is quantized on the fly to int8 in blocks of 32 (one fp32 scale per block), so that dot
+ * products run on integer units (AVX2 maddubs), as llama.cpp does; K must be a multiple of 32.
+ * One call reads each weight row once for all M rows of x (the row stays in L1 meanwhile). */
+#include <immintrin.h>
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#define INLINE static inline __attribute__((always_inline))
+
+INLINE float hsum(__m256 v) {
+    __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
+    lo = _mm_add_ps(lo, hi);
+    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+    lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
+    return _mm_cvtss_f32(lo);
+}
+
+/* sum over the 32 lanes of a (signed) * b (signed) as 8 int32 lanes */
+INLINE __m256i dot_s8(__m256i a, __m256i b) {
+    __m256i ua = _mm256_sign_epi8(a, a), sb = _mm256_sign_epi8(b, a);
+    __m256i p16 = _mm256_maddubs_epi16(ua, sb);
+    return _mm256_madd_epi16(p16, _mm256_set1_epi16(1));
+}
+
+/* x [M, K] fp32 -> xq [M, K] int8 and xs [M, K/32] scales */
+static void quantize_x(const float *x, int8_t *xq, float *xs, long M, long K) {
+    long blocks = K / 32;
+    for (long m = 0; m < M; m++)
+        for (long b = 0; b < blocks; b++) {
+            const float *src = x + m * K + b * 32;
+            float amax = 0.0f;
+            for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(src[i]));
+            float d = amax / 127.0f, id = d > 0 ? 1.0f / d : 0.0f;
+            xs[m * blocks + b] = d;
+            int8_t *dst = xq + m * K + b * 32;
+            for (int i = 0; i < 32; i++) dst[i] = (int8_t)lrintf(src[i] * id);
+        }
+}
+
+INLINE __m256i unpack_q4(const uint8_t *p) {
+    __m128i v = _mm_loadu_si128((const __m128i *)p);
+    __m256i both = _mm256_set_m128i(_mm_srli_epi16(v, 4), v);
+    return _mm256_sub_epi8(_mm256_and_si256(both, _mm256_set1_epi8(0x0F)), _mm256_set1_epi8(8));
+}
+
+/* kind 0: int8 rows (row scale); kind 1: int4 groups of G (group scales) */
+INLINE float row_dot(int kind, const void *w, const float *ws, long n, long K, long G, const int8_t *xq,
+                     const float *xs) {
+    long blocks = K / 32;
+    __m256 acc = _mm256_setzero_ps();
+    if (kind == 0) {
+        const int8_t *wr = (const int8_t *)w + n * K;
+        for (long b = 0; b < blocks; b++) {
+            __m256i wv = _mm256_loadu_si256((const __m256i *)(wr + b * 32));
+            __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + b * 32));
+            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_s8(wv, xv)), _mm256_set1_ps(xs[b]), acc);
+        }
+        return hsum(acc) * ws[n];
+    }
+    const uint8_t *wr = (const uint8_t *)w + n * (K / 2);
+    const float *gs = ws + n * (K / G);
+    long per_group = G / 32;
+    for (long b = 0; b < blocks; b++) {
+        __m256i wv = unpack_q4(wr + b * 16);
+        __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + b * 32));
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_s8(wv, xv)), _mm256_set1_ps(xs[b] * gs[b / per_group]), acc);
+    }
+    return hsum(acc);
+}
+
+/* Four rows at once: four independent accumulators, and the next four rows prefetched, so that
+ * enough memory requests are in flight to approach bandwidth. */
+INLINE void rows4_dot(int kind, const void *w, const float *ws, long n, long K, long G, const int8_t *xq,
+                      const float *xs, int prefetch, float out[4]) {
+    long blocks = K / 32;
+    long row_bytes = kind == 0 ? K : K / 2;
+    const uint8_t *base = (const uint8_t *)w + n * row_bytes;
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    long per_group = G > 0 ? G / 32 : 1, groups = G > 0 ? K / G : 1;
+    for (long b = 0; b < blocks; b++) {
+        __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + b * 32));
+        if (prefetch && (b & 1) == 0)
+            for (int r = 0; r < 4; r++) _mm_prefetch((const char *)base + (4 + r) * row_bytes + b * (kind == 0 ? 32 : 16), _MM_HINT_T0);
+        for (int r = 0; r < 4; r++) {
+            __m256i wv;
+            float sc;
+            if (kind == 0) {
+                wv = _mm256_loadu_si256((const __m256i *)(base + r * row_bytes + b * 32));
+                sc = xs[b];
+            } else {
+                wv = unpack_q4(base + r * row_bytes + b * 16);
+                sc = xs[b] * ws[(n + r) * groups + b / per_group];
+            }
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_s8(wv, xv)), _mm256_set1_ps(sc), acc[r]);
+        }
+    }
+    for (int r = 0; r < 4; r++) out[r] = hsum(acc[r]) * (kind == 0 ? ws[n + r] : 1.0f);
+}
+
+INLINE void run(int kind, const int8_t *xq, const float *xs, const void *w, const float *ws, const float *bias,
+                float *y, long M, long N, long K, long G, long b, long e) {
+    long blocks = K / 32;
+    long n = b;
+    for (; n + 4 <= e; n += 4) {
+        int prefetch = n + 8 <= e;
+        for (long m = 0; m < M; m++) {
+            float out[4];
+            rows4_dot(kind, w, ws, n, K, G, xq + m * K, xs + m * blocks, prefetch && m == 0, out);
+            for (int r = 0; r < 4; r++) y[m * N + n + r] = out[r] + (bias ? bias[n + r] : 0.0f);
+        }
+    }
+    for (; n < e; n++)
+        for (long m = 0; m < M; m++)
+            y[m * N + n] = row_dot(kind, w, ws, n, K, G, xq + m * K, xs + m * blocks) + (bias ? bias[n] : 0.0f);
+}
+
+/* kind: 0 = int8, 1 = int4. ws: int8 row scales [N] or int4 group scales [N, K/G]. */
+void anna_qgemm(const float *x, const void *w, const float *ws, int kind, long G, const float *bias, float *y,
+                long M, long N, long K, int threads) {
+    int8_t *xq = (int8_t *)malloc(M * K);
+    float *xs = (float *)malloc(sizeof(float) * M * (K / 32));
+    quantize_x(x, xq, xs, M, K);
+    #pragma omp parallel num_threads(threads)
+    {
+        int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        long chunk = ((N + nt - 1) / nt + 3) & ~3L;
+        long b = t * chunk, e = b + chunk < N ? b + chunk : N;
+        if (b < e) {
+            if (kind == 0) run(0, xq, xs, w, ws, bias, y, M, N, K, G, b, e);
+            else run(1, xq, xs, w, ws, bias, y, M, N, K, G, b, e);
+        }
+    }
+    free(xq);
+    free(xs);
+}
+
+/* Dequantize rows [N, K] to fp32 (the "dequant" strategy for large M, and embedding lookups). */
+void anna_dequant(const void *w, const float *ws, int kind, long G, const long *rows, long R, long K, float *out,
+                  int threads) {
+    #pragma omp parallel for num_threads(threads) if (R > 16)
+    for (long r = 0; r < R; r++) {
+        long n = rows ? rows[r] : r;
+        float *o = out + r * K;
+        if (kind == 0) {
+            const int8_t *wr = (const int8_t *)w + n * K;
+            for (long k = 0; k < K; k++) o[k] = wr[k] * ws[n];
+        } else {
+            const uint8_t *wr = (const uint8_t *)w + n * (K / 2);
+            const float *gs = ws + n * (K / G);
+            for (long k = 0; k < K; k += 32) {
+                const uint8_t *p = wr + k / 2;
+                float s = gs[k / G];
+                for (int i = 0; i < 16; i++) {
+                    o[k + i] = (float)((p[i] & 0x0F) - 8) * s;
+                    o[k + 16 + i] = (float)((p[i] >> 4) - 8) * s;
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,55 @@
+"""Weight-only quantization formats (symmetric, no zero point).
+
+int8: one fp32 scale per output row, q in [-127, 127].
+int4: one fp32 scale per group of ``group`` input columns, q in [-8, 7] stored as q + 8 in a
+nibble; each run of 32 weights is 16 bytes, byte i holding weight i (low nibble) and weight
+i + 16 (high nibble), the layout the AVX2 kernels unpack with one shift and one mask.
+"""
+
+from __future__ import annotations
+
+import torch
+
+INT4_BLOCK = 32  # weights per 16-byte packed run
+INT4_GROUP_SIZES = (32, 64, 128)
+
+
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    wf = w.float()
+    scale = wf.abs().amax(dim=1).clamp_min(1e-12) / 127.0
+    q = torch.round(wf / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return q.float() * scale[:, None]
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """q: [N, K] values 0..15 (uint8) -> [N, K/2] packed bytes."""
+    n, k = q.shape
+    runs = q.view(n, k // INT4_BLOCK, 2, INT4_BLOCK // 2)
+    return (runs[:, :, 0, :] | (runs[:, :, 1, :] << 4)).reshape(n, k // 2)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """[N, K/2] packed bytes -> [N, K] values 0..15."""
+    n, half = packed.shape
+    runs = packed.view(n, half // (INT4_BLOCK // 2), INT4_BLOCK // 2)
+    return torch.stack((runs & 0x0F, runs >> 4), dim=2).reshape(n, half * 2)
+
+
+def quantize_int4(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    n, k = w.shape
+    if group not in INT4_GROUP_SIZES or k % group:
+        raise ValueError(f"int4_group_size: {group} must be one of {INT4_GROUP_SIZES} and divide {k}")
+    g = w.float().view(n, k // group, group)
+    scale = g.abs().amax(dim=2).clamp_min(1e-12) / 7.0
+    q = torch.round(g / scale[:, :, None]).clamp_(-8, 7).add_(8).to(torch.uint8).view(n, k)
+    return pack_int4(q), scale
+
+
+def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, group: int) -> torch.Tensor:
+    q = unpack_int4(packed).float() - 8.0
+    n, k = q.shape
+    return (q.view(n, k // group, group) * scale[:, :, None]).view(n, k)

@@ -1,0 +1,195 @@
+"""Weight-only int8/int4: formats, every execution strategy, model accuracy, the int4 layout cache."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+
+import pytest
+import torch
+
+from anna.model.cpu_kernels import build_cpu_kernels
+from anna.model.linear import KernelPolicy, QuantLinear
+from anna.model.quantization import (dequantize_int4, dequantize_int8, pack_int4, quantize_int4, quantize_int8,
+                                     unpack_int4)
+from anna.runtime.engine import LLMEngine
+from conftest import engine_settings
+from helpers import hf_logits, run_logits
+
+PROMPT = [(i * 29 + 7) % 700 + 3 for i in range(37)]
+
+
+@pytest.fixture(scope="module")
+def kernels(cache_dir):
+    k = build_cpu_kernels(cache_dir)
+    assert k is not None, "this machine should build Anna's CPU kernels"
+    return k
+
+
+def test_int4_pack_unpack_round_trip_is_exact():
+    g = torch.Generator().manual_seed(0)
+    q = torch.randint(0, 16, (12, 256), generator=g, dtype=torch.uint8)
+    packed = pack_int4(q)
+    assert packed.shape == (12, 128) and packed.dtype == torch.uint8
+    assert torch.equal(unpack_int4(packed), q)
+
+
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_int4_quantization_error_is_bounded_per_group(group):
+    w = torch.randn(48, 256)
+    packed, scale = quantize_int4(w, group)
+    err = (dequantize_int4(packed, scale, group) - w).abs().view(48, -1, group)
+    assert (err <= scale[:, :, None] / 2 + 1e-6).all()  # round to nearest: at most half a step
+
+
+def test_int8_quantization_error_is_bounded():
+    w = torch.randn(48, 256)
+    q, scale = quantize_int8(w)
+    assert ((dequantize_int8(q, scale) - w).abs() <= scale[:, None] / 2 + 1e-6).all()
+
+
+def make_layer(kind: str, group: int, kernels, strategy: str, out_features=(70, 30), k=256) -> QuantLinear:
+    policy = KernelPolicy(cpu=kernels, quantization=kind, int4_group_size=group, int4_matmul=strategy,
+                          int4_gemv_m_threshold=4)
+    layer = QuantLinear(k, list(out_features), bias=True, dtype=torch.float32, policy=policy)
+    g = torch.Generator().manual_seed(1)
+    for shard, n in enumerate(out_features):
+        layer.load("weight", shard, torch.randn(n, k, generator=g) * 0.1, "w", "test")
+        layer.load("bias", shard, torch.randn(n, generator=g), "b", "test")
+    return layer
+
+
+@pytest.mark.parametrize("kind, group", [("int8", 0), ("int4", 32), ("int4", 64), ("int4", 128)])
+@pytest.mark.parametrize("strategy", ["packed", "dequant", "auto", "no_kernels"])
+def test_every_strategy_matches_the_dequantized_reference(kind, group, strategy, kernels):
+    layer = make_layer(kind, group or 32, None if strategy == "no_kernels" else kernels,
+                       "auto" if strategy == "no_kernels" else strategy)
+    ref_w = (dequantize_int8(layer.qweight, layer.scales) if kind == "int8"
+             else dequantize_int4(layer.qweight, layer.scales, group))
+    for m in [1, 2, 3, 4, 5, 8, 16, 33]:
+        x = torch.randn(m, 256)
+        ref = x @ ref_w.t() + layer.bias
+        out = layer(x)
+        # the packed kernel quantizes x to int8 per 32 values: about 0.5% relative error
+        tol = 2e-2 if layer.uses_packed_kernel(m) else 1e-4
+        assert ((out - ref).norm() / ref.norm()).item() < tol, (m, layer.uses_packed_kernel(m))
+    assert layer.uses_packed_kernel(1) == (strategy in ("packed", "auto") or (kind == "int8" and strategy != "no_kernels"))
+
+
+def test_auto_routes_by_m(kernels):
+    layer = make_layer("int4", 32, kernels, "auto")
+    assert layer.uses_packed_kernel(4) and not layer.uses_packed_kernel(5)
+    layer.policy.int4_gemv_m_threshold = 0
+    assert not layer.uses_packed_kernel(1)  # 0 means always dequant
+
+
+def fake_quantized(model, quant: str, group: int = 32):
+    """A copy of the transformers model whose linear weights are replaced by their dequantized values."""
+    import copy
+
+    fake = copy.deepcopy(model)
+    with torch.no_grad():
+        for name, module in fake.named_modules():
+            if isinstance(module, torch.nn.Linear):
+                w = module.weight
+                if quant == "int8":
+                    w.copy_(dequantize_int8(*quantize_int8(w)))
+                else:
+                    w.copy_(dequantize_int4(*quantize_int4(w, group), group))
+    return fake
+
+
+@pytest.mark.parametrize("quant, bound", [("int8", 0.02), ("int4", 0.35)])
+def test_quantized_model_logits(quant, bound, hf_models, cache_dir, tmp_path):
+    """Two checks: (1) against the same model with dequantized weights, Anna's quantized execution
+    agrees within 2% (relative norm; the packed kernels quantize activations to int8 per 32
+    values); (2) against full precision, the stated accuracy of these random tiny models:
+    relative logit error (norm) under 2% for int8 and 35% for int4."""
+    model, path = hf_models["qwen2"]
+    engine = LLMEngine(engine_settings(path, cache_dir, quantization=quant, int4_cache_dir=str(tmp_path)),
+                       show_progress=False)
+    assert engine.runner.model.embed_tokens is None  # tied embedding: the quantized lm_head is the only copy
+    logits, tokens = run_logits(engine, PROMPT, 6)
+    seq = PROMPT + tokens[:-1]
+    fake = hf_logits(fake_quantized(model, quant), seq)
+    assert ((logits - fake).norm() / fake.norm()).item() < 0.02
+    ref = hf_logits(model, seq)
+    err = ((logits - ref).norm() / ref.norm()).item()
+    assert 1e-4 < err < bound, err
+
+
+def test_untied_model_quantizes_lm_head_and_keeps_embedding(hf_models, cache_dir, tmp_path):
+    model, path = hf_models["llama3"]
+    engine = LLMEngine(engine_settings(path, cache_dir, quantization="int8"), show_progress=False)
+    m = engine.runner.model
+    assert isinstance(m.lm_head, QuantLinear) and m.embed_tokens is not None
+    logits, tokens = run_logits(engine, PROMPT, 2)
+    ref = hf_logits(fake_quantized(model, "int8"), PROMPT + tokens[:-1])
+    assert ((logits - ref).norm() / ref.norm()).item() < 0.02
+
+
+def load_int4(path, cache_dir, caplog, **kw) -> tuple[LLMEngine, bool]:
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="anna.weights.loader"):
+        engine = LLMEngine(engine_settings(path, cache_dir, quantization="int4", **kw), show_progress=False)
+    hit = any("Loaded the int4 layout from" in r.message for r in caplog.records)
+    return engine, hit
+
+
+def cache_entry(model_dir):
+    entries = [p for p in (model_dir / ".anna" / "int4_cache").iterdir() if not p.name.startswith(".")]
+    assert len(entries) == 1
+    return entries[0]
+
+
+def test_int4_cache_hit_stale_corrupt_truncated(hf_models, cache_dir, tmp_path, caplog):
+    src = hf_models["qwen3"][1]
+    path = tmp_path / "m"
+    shutil.copytree(src, path)
+    first, hit = load_int4(path, cache_dir, caplog)
+    assert not hit
+    reference, _ = run_logits(first, PROMPT, 3)
+    second, hit = load_int4(path, cache_dir, caplog)
+    assert hit
+    assert torch.equal(run_logits(second, PROMPT, 3)[0], reference)
+
+    part = sorted(cache_entry(path).glob("part-*.safetensors"))[0]
+    data = bytearray(part.read_bytes())
+    data[-10] ^= 0xFF  # corrupt one byte of tensor data
+    part.write_bytes(bytes(data))
+    third, hit = load_int4(path, cache_dir, caplog)
+    assert not hit and any("corrupt" in r.message for r in caplog.records)
+    assert torch.equal(run_logits(third, PROMPT, 3)[0], reference)
+    _, hit = load_int4(path, cache_dir, caplog)
+    assert hit  # rebuilt
+
+    part = sorted(cache_entry(path).glob("part-*.safetensors"))[0]
+    part.write_bytes(part.read_bytes()[:100])  # truncated
+    _, hit = load_int4(path, cache_dir, caplog)
+    assert not hit
+
+    (path / "model.safetensors").touch()  # the checkpoint changed: a new key, the old entry is not used
+    _, hit = load_int4(path, cache_dir, caplog)
+    assert not hit
+    _, hit = load_int4(path, cache_dir, caplog, int4_group_size=64)  # another layout: another entry
+    assert not hit
+
+
+def test_int4_cache_falls_back_when_the_model_dir_is_not_writable(hf_models, cache_dir, tmp_path, caplog):
+    path = tmp_path / "ro"
+    shutil.copytree(hf_models["qwen2"][1], path)
+    (path / ".anna").write_text("not a directory")  # nothing can be created under the model dir
+    user_cache = tmp_path / "user-cache"
+    _, hit = load_int4(path, user_cache, caplog)  # the settings' cache_dir is the user cache dir
+    assert not hit
+    assert list((user_cache / "int4_cache").glob("*/*/manifest.json"))
+    _, hit = load_int4(path, user_cache, caplog)
+    assert hit
+
+
+def test_int4_cache_can_be_disabled(hf_models, cache_dir, tmp_path, caplog):
+    path = tmp_path / "off"
+    shutil.copytree(hf_models["qwen2"][1], path)
+    load_int4(path, cache_dir, caplog, disable_int4_cache=True)
+    _, hit = load_int4(path, cache_dir, caplog, disable_int4_cache=True)
+    assert not hit and not (path / ".anna").exists()
