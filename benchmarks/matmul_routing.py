@@ -3,9 +3,13 @@ crossovers set the routing defaults (cpu_gemv_max_rows, cpu_upcast_min_rows).
 
     python benchmarks/matmul_routing.py --out benchmarks/results/matmul_routing.csv
 
+    python benchmarks/matmul_routing.py --quantization int4 --int4-group-size 32 \
+        --out benchmarks/results/matmul_routing_int4_g32.csv
+
 Strategies: torch_native (F.linear in the weight dtype), torch_fp32_upcast (weights converted to
-fp32 per call, fp32 GEMM), anna_gemv (Anna's weight-streaming kernel). Each weight set is larger
-than the CPU caches, as in a real forward pass.
+fp32 per call, fp32 GEMM), anna_gemv (Anna's weight-streaming kernel). With --quantization:
+packed (Anna's kernel reading int8/int4) and dequant (unpack to fp32, then a dense GEMM). Each
+weight set is larger than the CPU caches, as in a real forward pass.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from anna.model.cpu_kernels import build_cpu_kernels
+from anna.model.quantization import quantize_int4, quantize_int8
 
 SHAPES = {"qkv": (1152, 896), "o": (896, 896), "gate_up": (9728, 896), "down": (896, 4864)}
 MS = [1, 2, 4, 8, 16, 32, 64, 128, 512]
@@ -40,32 +45,55 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/matmul_routing.csv"))
     ap.add_argument("--cache-dir", default="~/.cache/anna")
+    ap.add_argument("--quantization", choices=["none", "int8", "int4"], default="none")
+    ap.add_argument("--int4-group-size", type=int, default=32)
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
     kernels = build_cpu_kernels(args.cache_dir)
-    strategies = {
-        "torch_native": lambda x, w: F.linear(x.to(dtype), w),
-        "torch_fp32_upcast": lambda x, w: F.linear(x, w.float()),
-    }
-    if kernels is not None:
-        strategies["anna_gemv"] = lambda x, w: kernels.gemv(x, w, None)
+    quant = args.quantization
+    kind, group = (0, 0) if quant == "int8" else (1, args.int4_group_size)
+    if quant != "none":
+        if kernels is None:
+            raise SystemExit("the quantized strategies need Anna's CPU kernels")
+        strategies = {
+            "packed": lambda x, w: kernels.qgemm(x, w[0], w[1], kind, group, None),
+            "dequant": lambda x, w: F.linear(x, kernels.dequant(w[0], w[1], kind, group, x.shape[-1])),
+        }
+    else:
+        strategies = {
+            "torch_native": lambda x, w: F.linear(x.to(dtype), w),
+            "torch_fp32_upcast": lambda x, w: F.linear(x, w.float()),
+        }
+        if kernels is not None:
+            strategies["anna_gemv"] = lambda x, w: kernels.gemv(x, w, None)
+    bytes_per_weight = {"none": dtype.itemsize, "int8": 1, "int4": 0.5}[quant]
+
+    def make(n: int, k: int):
+        w = torch.randn(n, k)
+        if quant == "int8":
+            return quantize_int8(w)
+        if quant == "int4":
+            return quantize_int4(w, group)
+        return w.to(dtype)
+
     rows = []
     for name, (n, k) in SHAPES.items():
-        copies = max(2, (256 << 20) // (n * k * dtype.itemsize))  # ~256 MiB of weights: beyond the caches
-        weights = [torch.randn(n, k).to(dtype) for _ in range(copies)]
+        copies = max(2, int((256 << 20) // (n * k * bytes_per_weight)))  # ~256 MiB of weights: beyond the caches
+        weights = [make(n, k) for _ in range(copies)]
         for m in MS:
             x = torch.randn(m, k)
             for strat, fn in strategies.items():
-                if strat == "anna_gemv" and m > 64:
+                if strat in ("anna_gemv", "packed") and m > 64:
                     continue  # the kernel re-reads W every 8 rows: never a candidate at large M
                 repeats = 1 if m >= 128 else 3
                 sec = timed(fn, weights, x, repeats)
                 rows.append({"shape": name, "n": n, "k": k, "m": m, "strategy": strat, "us": round(sec * 1e6, 1),
-                             "weight_gb_s": round(n * k * dtype.itemsize / sec / 1e9, 2)})
+                             "weight_gb_s": round(n * k * bytes_per_weight / sec / 1e9, 2)})
                 print(f"{name:8s} M={m:4d} {strat:18s} {sec * 1e6:9.1f} us")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with open(args.out, "w", newline="") as fh:
-        fh.write(f"# {platform.machine()} {torch.get_num_threads()} threads, torch {torch.__version__}, {args.dtype}\n")
+        what = args.dtype if quant == "none" else f"{quant}" + (f" group {group}" if quant == "int4" else "")
+        fh.write(f"# {platform.machine()} {torch.get_num_threads()} threads, torch {torch.__version__}, {what}\n")
         writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)

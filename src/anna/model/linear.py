@@ -29,7 +29,7 @@ class KernelPolicy:
     quantization: str = "none"  # none | int8 | int4
     int4_group_size: int = 32
     int4_matmul: str = "auto"  # auto | packed | dequant
-    int4_gemv_m_threshold: int = 4  # auto: packed kernel for M <= this, dequant + dense GEMM above
+    int4_gemv_m_threshold: int = 16  # auto: packed kernel for M <= this, dequant + dense GEMM above
 
 
 DEFAULT_POLICY = KernelPolicy()

@@ -66,38 +66,34 @@ INLINE float row_dot(int kind, const void *w, const float *ws, long n, long K, l
     }
     const uint8_t *wr = (const uint8_t *)w + n * (K / 2);
     const float *gs = ws + n * (K / G);
-    long per_group = G / 32;
+    int pg_shift = G >= 128 ? 2 : G == 64 ? 1 : 0;
     for (long b = 0; b < blocks; b++) {
         __m256i wv = unpack_q4(wr + b * 16);
         __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + b * 32));
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_s8(wv, xv)), _mm256_set1_ps(xs[b] * gs[b / per_group]), acc);
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_s8(wv, xv)), _mm256_set1_ps(xs[b] * gs[b >> pg_shift]), acc);
     }
     return hsum(acc);
 }
 
 /* Four rows at once: four independent accumulators, and the next four rows prefetched, so that
- * enough memory requests are in flight to approach bandwidth. */
-INLINE void rows4_dot(int kind, const void *w, const float *ws, long n, long K, long G, const int8_t *xq,
-                      const float *xs, int prefetch, float out[4]) {
+ * enough memory requests are in flight to approach bandwidth.
+ * kind 0: int8 rows, row scales; kind 1: packed int4, group scales; kind 2: int4 already unpacked
+ * to one int8 per weight (rows at `base`, `row_bytes` apart), group scales. */
+INLINE void rows4_dot(int kind, const uint8_t *base, long row_bytes, const float *ws, long n, long K, long G,
+                      const int8_t *xq, const float *xs, int prefetch, float out[4]) {
     long blocks = K / 32;
-    long row_bytes = kind == 0 ? K : K / 2;
-    const uint8_t *base = (const uint8_t *)w + n * row_bytes;
     __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-    long per_group = G > 0 ? G / 32 : 1, groups = G > 0 ? K / G : 1;
+    long groups = G > 0 ? K / G : 1;
+    int pg_shift = G >= 128 ? 2 : G == 64 ? 1 : 0;  /* blocks of 32 per group, as a shift: no division */
+    long block_bytes = kind == 1 ? 16 : 32;
     for (long b = 0; b < blocks; b++) {
         __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + b * 32));
         if (prefetch && (b & 1) == 0)
-            for (int r = 0; r < 4; r++) _mm_prefetch((const char *)base + (4 + r) * row_bytes + b * (kind == 0 ? 32 : 16), _MM_HINT_T0);
+            for (int r = 0; r < 4; r++) _mm_prefetch((const char *)base + (4 + r) * row_bytes + b * block_bytes, _MM_HINT_T0);
         for (int r = 0; r < 4; r++) {
-            __m256i wv;
-            float sc;
-            if (kind == 0) {
-                wv = _mm256_loadu_si256((const __m256i *)(base + r * row_bytes + b * 32));
-                sc = xs[b];
-            } else {
-                wv = unpack_q4(base + r * row_bytes + b * 16);
-                sc = xs[b] * ws[(n + r) * groups + b / per_group];
-            }
+            const uint8_t *p = base + r * row_bytes + b * block_bytes;
+            __m256i wv = kind == 1 ? unpack_q4(p) : _mm256_loadu_si256((const __m256i *)p);
+            float sc = kind == 0 ? xs[b] : xs[b] * ws[(n + r) * groups + (b >> pg_shift)];
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_s8(wv, xv)), _mm256_set1_ps(sc), acc[r]);
         }
     }
@@ -107,15 +103,35 @@ INLINE void rows4_dot(int kind, const void *w, const float *ws, long n, long K, 
 INLINE void run(int kind, const int8_t *xq, const float *xs, const void *w, const float *ws, const float *bias,
                 float *y, long M, long N, long K, long G, long b, long e) {
     long blocks = K / 32;
+    long row_bytes = kind == 0 ? K : K / 2;
+    /* int4 with several rows of x: unpack each 4-row slice once (to L1) instead of once per row of x */
+    int8_t *unpacked = (kind == 1 && M > 1) ? (int8_t *)malloc(4 * K) : 0;
     long n = b;
     for (; n + 4 <= e; n += 4) {
         int prefetch = n + 8 <= e;
+        const uint8_t *base = (const uint8_t *)w + n * row_bytes;
+        int use_kind = kind;
+        long use_row_bytes = row_bytes;
+        if (unpacked) {
+            for (int r = 0; r < 4; r++)
+                for (long bb = 0; bb < blocks; bb++)
+                    _mm256_storeu_si256((__m256i *)(unpacked + r * K + bb * 32), unpack_q4(base + r * row_bytes + bb * 16));
+            base = (const uint8_t *)unpacked;
+            use_kind = 2;
+            use_row_bytes = K;
+        }
         for (long m = 0; m < M; m++) {
             float out[4];
-            rows4_dot(kind, w, ws, n, K, G, xq + m * K, xs + m * blocks, prefetch && m == 0, out);
+            if (use_kind == 0)
+                rows4_dot(0, base, use_row_bytes, ws, n, K, G, xq + m * K, xs + m * blocks, prefetch && m == 0, out);
+            else if (use_kind == 1)
+                rows4_dot(1, base, use_row_bytes, ws, n, K, G, xq + m * K, xs + m * blocks, prefetch && m == 0, out);
+            else
+                rows4_dot(2, base, use_row_bytes, ws, n, K, G, xq + m * K, xs + m * blocks, 0, out);
             for (int r = 0; r < 4; r++) y[m * N + n + r] = out[r] + (bias ? bias[n + r] : 0.0f);
         }
     }
+    free(unpacked);
     for (; n < e; n++)
         for (long m = 0; m < M; m++)
             y[m * N + n] = row_dot(kind, w, ws, n, K, G, xq + m * K, xs + m * blocks) + (bias ? bias[n] : 0.0f);
