@@ -83,3 +83,54 @@ def engine_settings(model_dir, cache_dir, **overrides):
                 num_gpu_blocks_override=256, max_model_len=512, log_level="warning")
     base.update(overrides)
     return ServeSettings(**base).resolve(env={})
+
+
+SERVER_API_KEY = "test-key-123"
+SERVER_MODEL = "tiny-qwen2"
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def live_server(qwen2_dir, cache_dir, tmp_path_factory):
+    """A real `anna serve` process on 127.0.0.1 with the tiny Qwen2 model and an API key."""
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+
+    port = free_port()
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    cmd = [sys.executable, "-m", "anna.cli.main", "serve", str(qwen2_dir), "--port", str(port),
+           "--served-model-name", SERVER_MODEL, "--api-key", SERVER_API_KEY, "--dtype", "float32",
+           "--device", "cpu", "--max-model-len", "512", "--num-gpu-blocks-override", "96",
+           "--cache-dir", str(cache_dir), "--log-level", "warning", "--max-n", "4"]
+    env = dict(os.environ, ANNA_API_KEY="")
+    with open(log, "w") as fh:
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(base + "/health", timeout=1).status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        assert proc.poll() is None, log.read_text()
+        time.sleep(0.2)
+    else:
+        proc.kill()
+        raise AssertionError("server did not become healthy:\n" + log.read_text())
+    yield base
+    proc.terminate()
+    try:
+        proc.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        proc.kill()

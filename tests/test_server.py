@@ -3,12 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import json
-import os
 import re
-import socket
-import subprocess
-import sys
 import time
 
 import httpx
@@ -19,42 +14,9 @@ API_KEY = "test-key-123"
 MODEL = "tiny-qwen2"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def server(qwen2_dir, cache_dir, tmp_path_factory):
-    port = free_port()
-    log = tmp_path_factory.mktemp("server") / "server.log"
-    cmd = [sys.executable, "-m", "anna.cli.main", "serve", str(qwen2_dir), "--port", str(port),
-           "--served-model-name", MODEL, "--api-key", API_KEY, "--dtype", "float32", "--device", "cpu",
-           "--max-model-len", "256", "--num-gpu-blocks-override", "96", "--cache-dir", str(cache_dir),
-           "--log-level", "warning", "--max-n", "4"]
-    env = dict(os.environ, ANNA_API_KEY="")
-    with open(log, "w") as fh:
-        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(base + "/health", timeout=1).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        assert proc.poll() is None, log.read_text()
-        time.sleep(0.2)
-    else:
-        proc.kill()
-        raise AssertionError("server did not become healthy:\n" + log.read_text())
-    yield base
-    proc.terminate()
-    try:
-        proc.wait(timeout=15)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+def server(live_server):
+    return live_server
 
 
 @pytest.fixture
@@ -100,7 +62,7 @@ def test_health_models_and_api_key_on_every_route(server):
         r = httpx.request(method, server + path, json={}, headers={"Authorization": "Bearer wrong"})
         assert r.status_code == 401, path
     models = httpx.get(server + "/v1/models", headers=auth()).json()
-    assert models["data"][0]["id"] == MODEL and models["data"][0]["max_model_len"] == 256
+    assert models["data"][0]["id"] == MODEL and models["data"][0]["max_model_len"] == 512
 
 
 def test_chat_non_streaming_with_usage(client):
@@ -219,7 +181,7 @@ def test_tools_round_trip_reaches_the_prompt(client, server):
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      "messages[0].content"),
     ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}, "tool_choice"),
-    ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 300}, "max_tokens"),
+    ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 600}, "max_tokens"),
 ])
 def test_chat_errors_are_400_with_openai_shape(server, body, param):
     for stream in (False, True):
@@ -231,10 +193,10 @@ def test_chat_errors_are_400_with_openai_shape(server, body, param):
 
 
 def test_prompt_too_long_message_gives_the_numbers(server):
-    r = httpx.post(server + "/v1/completions", json={"model": MODEL, "prompt": list(range(3, 203)),
-                                                     "max_tokens": 100}, headers=auth())
+    r = httpx.post(server + "/v1/completions", json={"model": MODEL, "prompt": list(range(3, 403)),
+                                                     "max_tokens": 200}, headers=auth())
     assert r.status_code == 400
-    assert "200 tokens" in r.json()["error"]["message"] and "max_model_len=256" in r.json()["error"]["message"]
+    assert "400 tokens" in r.json()["error"]["message"] and "max_model_len=512" in r.json()["error"]["message"]
 
 
 def test_invalid_json_unknown_model_and_bad_token_ids(server):
@@ -275,7 +237,7 @@ def test_streaming_disconnect_frees_kv(server):
 
 def test_non_streaming_disconnect_frees_kv(server):
     before = metrics(server)
-    body = {"model": MODEL, "prompt": "go", "max_tokens": 240, "ignore_eos": True}
+    body = {"model": MODEL, "prompt": "go", "max_tokens": 480, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server + "/v1/completions", json=body, headers=auth(), timeout=0.3)
     after = wait_idle(server)

@@ -91,13 +91,16 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("model_pos", nargs="?", metavar="MODEL", help="Model directory (default: the demo model).")
     add_settings_flags(serve)
     serve.set_defaults(func=cmd_serve)
+
+    from anna.bench.cli import add_bench_parser
+    add_bench_parser(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    level = "warning" if getattr(args, "quiet", False) else (args.log_level or "info")
+    level = "warning" if getattr(args, "quiet", False) else (getattr(args, "log_level", None) or "info")
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return args.func(args)
