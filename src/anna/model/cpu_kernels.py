@@ -17,7 +17,8 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).parent / "kernels" / name for name in ("cpu_kernels.c", "quant_kernels.c")]
+SOURCES = [Path(__file__).parent / "kernels" / name
+           for name in ("cpu_kernels.c", "quant_kernels.c", "decode_layers.c")]
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC"]
 WEIGHT_TYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 
@@ -34,6 +35,19 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
+class AnnaLinear(ctypes.Structure):
+    _fields_ = [("weight", ctypes.c_void_p), ("scales", ctypes.c_void_p), ("bias", ctypes.c_void_p),
+                ("wtype", ctypes.c_int), ("qkind", ctypes.c_int), ("group", ctypes.c_long), ("n", ctypes.c_long),
+                ("k", ctypes.c_long)]
+
+
+class AnnaLayer(ctypes.Structure):
+    _fields_ = [("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p), ("q_norm", ctypes.c_void_p),
+                ("k_norm", ctypes.c_void_p), ("norm_wtype", ctypes.c_int), ("qkv", AnnaLinear), ("o", AnnaLinear),
+                ("gate_up", AnnaLinear), ("down", AnnaLinear), ("k_cache", ctypes.c_void_p),
+                ("v_cache", ctypes.c_void_p)]
+
+
 class CpuKernels:
     """ctypes bindings of kernels/cpu_kernels.c. Every tensor handed in is fp32 and contiguous
     unless the method says otherwise; ``threads`` follows torch.get_num_threads()."""
@@ -47,8 +61,10 @@ class CpuKernels:
         lib.anna_paged_decode_attention.argtypes = [p, p, p, p, l, p, l, l, l, l, l, l, f, p, i]
         lib.anna_qgemm.argtypes = [p, p, p, i, l, p, p, l, l, l, i]
         lib.anna_dequant.argtypes = [p, p, i, l, p, l, l, p, i]
+        lib.anna_decode_layers.argtypes = [ctypes.POINTER(AnnaLayer), l, p, l, l, l, l, l, l, f, p, p, p, l, p, l, l,
+                                           f, p, p, p, p, i]
         for fn in (lib.anna_gemv, lib.anna_add_rmsnorm, lib.anna_rotary, lib.anna_paged_decode_attention,
-                   lib.anna_qgemm, lib.anna_dequant):
+                   lib.anna_qgemm, lib.anna_dequant, lib.anna_decode_layers):
             fn.restype = None
         self.lib = lib
 
@@ -87,6 +103,21 @@ class CpuKernels:
         idx = None if rows is None else rows.to(torch.long).contiguous()
         self.lib.anna_dequant(qweight.data_ptr(), scales.data_ptr(), kind, group, _ptr(idx), count, k, out.data_ptr(),
                               torch.get_num_threads())
+        return out
+
+    def decode_layers(self, layers: ctypes.Array, embeddings: torch.Tensor, *, heads: int, kv_heads: int,
+                      head_dim: int, intermediate: int, eps: float, positions: torch.Tensor, slots: torch.Tensor,
+                      tables: torch.Tensor, context_lens: torch.Tensor, block_size: int, window: int | None,
+                      scale: float, cos_table: torch.Tensor, sin_table: torch.Tensor,
+                      final_norm: torch.Tensor) -> torch.Tensor:
+        """Every decoder layer for a decode-only batch; returns the final normed hidden states."""
+        m, hidden = embeddings.shape
+        out = torch.empty_like(embeddings)
+        self.lib.anna_decode_layers(
+            layers, len(layers), embeddings.data_ptr(), m, hidden, heads, kv_heads, head_dim, intermediate, eps,
+            positions.data_ptr(), slots.data_ptr(), tables.data_ptr(), tables.shape[1], context_lens.data_ptr(),
+            block_size, window or 0, scale, cos_table.data_ptr(), sin_table.data_ptr(), final_norm.data_ptr(),
+            out.data_ptr(), torch.get_num_threads())
         return out
 
     def add_rmsnorm(self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,

@@ -15,6 +15,7 @@ from torch import nn
 
 from anna.model.attention import AttentionMetadata, paged_attention
 from anna.model.config import ModelConfig
+from anna.model.cpu_kernels import WEIGHT_TYPES, AnnaLayer, AnnaLinear, CpuKernels
 from anna.model.layers import GatedMLP, RMSNorm, RopeBatch, RotaryEmbedding, apply_rotary
 from anna.model.linear import DEFAULT_POLICY, KernelPolicy, Linear, QuantLinear, check_shape, make_linear
 
@@ -115,6 +116,8 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                 meta: AttentionMetadata) -> torch.Tensor:
         hidden = self.embed(input_ids)
+        if self._fused_decode_applies(hidden, meta, kv_caches):
+            return self._fused_decode(hidden, positions, kv_caches, meta)
         rope = self.rotary.batch(positions, hidden.dtype)
         residual = None
         for layer, kv in zip(self.layers, kv_caches):
@@ -123,6 +126,57 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
+
+    # ---- the fused CPU decode path ----
+    def _fused_decode_applies(self, hidden: torch.Tensor, meta: AttentionMetadata, kv_caches: list[KVCache]) -> bool:
+        """Decode-only batches on CPU with Anna's kernels run all layers in one C call."""
+        policy = self.layers[0].self_attn.policy
+        if (policy.cpu is None or hidden.device.type != "cpu" or hidden.dtype != torch.float32 or meta.prefills
+                or meta.num_decode_tokens != hidden.shape[0] or hidden.shape[0] > policy.cpu_gemv_max_rows
+                or kv_caches[0][0].dtype != torch.float32):
+            return False
+        if getattr(self, "_fusable", None) is None:
+            self._fusable = all(_fusable_linear(lin) for layer in self.layers
+                                for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                            layer.mlp.gate_up_proj, layer.mlp.down_proj))
+        if not self._fusable:
+            return False
+        return not (isinstance(self.layers[0].mlp.gate_up_proj, QuantLinear)
+                    and not self.layers[0].mlp.gate_up_proj.uses_packed_kernel(hidden.shape[0]))
+
+    def _fused_decode(self, hidden: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
+                      meta: AttentionMetadata) -> torch.Tensor:
+        cfg = self.config
+        layers = self._layer_descriptors(kv_caches)
+        return self.layers[0].self_attn.policy.cpu.decode_layers(
+            layers, hidden.contiguous(), heads=cfg.num_attention_heads, kv_heads=cfg.num_key_value_heads,
+            head_dim=cfg.head_dim, intermediate=cfg.intermediate_size, eps=cfg.rms_norm_eps,
+            positions=positions.contiguous(), slots=meta.slot_mapping.contiguous(),
+            tables=meta.decode_block_tables.contiguous(), context_lens=meta.decode_context_lens.contiguous(),
+            block_size=meta.block_size, window=cfg.sliding_window, scale=cfg.head_dim ** -0.5,
+            cos_table=self.rotary.cos, sin_table=self.rotary.sin, final_norm=self.norm.weight)
+
+    def _layer_descriptors(self, kv_caches: list[KVCache]):
+        """ctypes descriptors of every layer's weights and caches, built once (they never move)."""
+        key = tuple(k.data_ptr() for k, _ in kv_caches)
+        cached = getattr(self, "_descriptors", None)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        keep: list[torch.Tensor] = []  # fp32 copies of biases, kept alive with the descriptors
+        array = (AnnaLayer * len(self.layers))()
+        for desc, layer, (k_cache, v_cache) in zip(array, self.layers, kv_caches):
+            attn, mlp = layer.self_attn, layer.mlp
+            desc.input_norm = layer.input_layernorm.weight.data_ptr()
+            desc.post_norm = layer.post_attention_layernorm.weight.data_ptr()
+            desc.q_norm = attn.q_norm.weight.data_ptr() if attn.q_norm is not None else None
+            desc.k_norm = attn.k_norm.weight.data_ptr() if attn.k_norm is not None else None
+            desc.norm_wtype = WEIGHT_TYPES[layer.input_layernorm.weight.dtype]
+            for field, lin in (("qkv", attn.qkv_proj), ("o", attn.o_proj), ("gate_up", mlp.gate_up_proj),
+                               ("down", mlp.down_proj)):
+                _describe_linear(getattr(desc, field), lin, keep)
+            desc.k_cache, desc.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
+        self._descriptors = (key, array, keep)
+        return array
 
     # ---- weights ----
     def checkpoint_targets(self) -> dict[str, Callable[[torch.Tensor, str, str], None]]:
@@ -163,6 +217,26 @@ class LlamaForCausalLM(nn.Module):
             target(tensor, name, where)
             loaded.add(name)
         return loaded
+
+
+def _fusable_linear(lin: Linear | QuantLinear) -> bool:
+    if isinstance(lin, QuantLinear):
+        return lin.qweight.is_contiguous()
+    return CpuKernels.supports_weight(lin.weight)
+
+
+def _describe_linear(desc: AnnaLinear, lin: Linear | QuantLinear, keep: list[torch.Tensor]) -> None:
+    bias = None if lin.bias is None else lin.bias.detach().float().contiguous()
+    if bias is not None:
+        keep.append(bias)
+    desc.bias = None if bias is None else bias.data_ptr()
+    desc.n, desc.k = lin.out_features, lin.in_features
+    if isinstance(lin, QuantLinear):
+        desc.weight, desc.scales = lin.qweight.data_ptr(), lin.scales.data_ptr()
+        desc.wtype, desc.qkind, desc.group = -1, lin.kind, lin.group
+    else:
+        desc.weight, desc.scales = lin.weight.data_ptr(), None
+        desc.wtype, desc.qkind, desc.group = WEIGHT_TYPES[lin.weight.dtype], 0, 0
 
 
 def _load_linear(module: Linear | QuantLinear, kind: str, shard: int, tensor: torch.Tensor, name: str,
