@@ -32,7 +32,7 @@ def metrics(server) -> dict[str, float]:
     text = httpx.get(server + "/metrics", headers=auth()).text
     out = {}
     for line in text.splitlines():
-        m = re.match(r'^(anna:[a-z_]+)(\{[^}]*\})? ([0-9.e+-]+)$', line)
+        m = re.match(r'^(anna:[a-z0-9_]+)(\{[^}]*\})? ([0-9.e+-]+)$', line)
         if m:
             labels = [kv for kv in re.findall(r'[a-z_]+="[^"]*"', m.group(2) or "") if not kv.startswith("model_name")]
             key = m.group(1) + ("{" + ",".join(labels) + "}" if labels else "")
@@ -272,3 +272,13 @@ def test_metrics_count_tokens_exactly(server, client):
     assert after["anna:prompt_tokens_total"] - before["anna:prompt_tokens_total"] == r.usage.prompt_tokens
     key = 'anna:request_success_total{finished_reason="length"}'
     assert after[key] - before[key] == 1
+    for name, moved in (("time_to_first_token_seconds", 1), ("inter_token_latency_seconds", 6),
+                        ("e2e_request_latency_seconds", 1), ("request_queue_time_seconds", 1),
+                        ("request_prefill_time_seconds", 1), ("request_decode_time_seconds", 1)):
+        key = f"anna:{name}_count"
+        assert after[key] - before[key] == moved, name
+        assert after[f"anna:{name}_sum"] > before[f"anna:{name}_sum"]
+    steps = sum(v for k, v in after.items() if k.startswith("anna:engine_steps_total"))
+    assert steps - sum(v for k, v in before.items() if k.startswith("anna:engine_steps_total")) >= 7
+    text = httpx.get(server + "/metrics", headers=auth()).text
+    assert 'anna:cache_config_info{' in text and 'enable_prefix_caching="True"' in text

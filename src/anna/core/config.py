@@ -111,6 +111,13 @@ class ServeSettings:
     long_prefill_token_threshold: int | None = _setting(
         PROFILE, "Most prompt tokens one request prefills in a step while others are decoding (the chunk size).")
 
+    # Warmup (serving)
+    inference_warmup: bool | None = _setting(
+        True, "Run the warmup shape table before serving (--no-inference-warmup skips it, for development).")
+    warmup_prefill_tokens: int | None = _setting(0, "An extra prefill length for the warmup table; 0 = none.")
+    warmup_batch_size: int | None = _setting(0, "An extra decode batch size for the warmup table; 0 = none.")
+    warmup_decode_steps: int | None = _setting(8, "Decode steps run for each warmup shape.")
+
     # Server
     host: str | None = _setting("127.0.0.1", "Address the HTTP server listens on.")
     port: int | None = _setting(8000, "Port the HTTP server listens on.")
@@ -122,6 +129,8 @@ class ServeSettings:
         "none", "Split <think>...</think> reasoning into reasoning_content.",
         choices=("none", "think", "qwen3", "deepseek_r1"))
     log_level: str | None = _setting("info", "Logging level.", choices=("debug", "info", "warning", "error"))
+    log_stats_interval: float | None = _setting(
+        10.0, "Seconds between the periodic engine stats log lines while serving; 0 = off.")
 
     def resolve(self, env: Mapping[str, str] | None = None, explicit_source: str = "cli") -> "ResolvedSettings":
         return resolve_settings(self, os.environ if env is None else env, explicit_source)

@@ -42,6 +42,7 @@ class Request:
     output_logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    last_token_time: float | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

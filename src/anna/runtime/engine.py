@@ -176,15 +176,21 @@ class LLMEngine:
             self._finish(state, "abort")
             self._seqs.pop(state.req.request_id, None)
 
+    def reset_stats(self) -> None:
+        """Forget the counters and histograms (after warmup)."""
+        self.stats = EngineStats()
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work()
 
     # ---- the loop ----
     def step(self) -> list[RequestOutput]:
+        start = time.perf_counter()
         batch = self.scheduler.schedule()
         if not batch:
             return []
         sampled = self.runner.execute(batch)
+        self.stats.steps.record(batch.step_class, time.perf_counter() - start)
         touched: dict[str, RequestGroup] = {}
         for req, n in zip(batch.requests, batch.num_new_tokens):
             req.num_computed_tokens += n
@@ -212,8 +218,16 @@ class LLMEngine:
         self.stats.generation_tokens += 1
         if logprobs is not None:
             req.output_logprobs.append(logprobs)
+        now = time.monotonic()
         if req.first_token_time is None:
-            req.first_token_time = time.monotonic()
+            req.first_token_time = now
+            self.stats.ttft.observe(now - req.arrival_time)
+            if req.first_scheduled_time is not None:
+                self.stats.queue.observe(req.first_scheduled_time - req.arrival_time)
+                self.stats.prefill.observe(now - req.first_scheduled_time)
+        else:
+            self.stats.inter_token.observe(now - req.last_token_time)
+        req.last_token_time = now
         may_stop = req.num_output_tokens >= p.min_tokens
         if may_stop and not p.ignore_eos and token in req.eos_token_ids:
             return self._finish(state, "stop")
@@ -241,6 +255,10 @@ class LLMEngine:
             self.stats.aborted += 1
         else:
             self.stats.finished[reason] += 1
+            now = time.monotonic()
+            self.stats.e2e.observe(now - req.arrival_time)
+            if req.first_token_time is not None:
+                self.stats.decode.observe(now - req.first_token_time)
         self.scheduler.remove(req)
         self.runner.sampler.forget(req.request_id)
 

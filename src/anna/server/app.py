@@ -20,6 +20,7 @@ from anna.core.config import ResolvedSettings
 from anna.core.outputs import CompletionOutput, RequestOutput
 from anna.core.sampling_params import SamplingParams
 from anna.runtime.engine import LLMEngine
+from anna.runtime.warmup import run_warmup
 from anna.server.async_engine import AsyncEngine, EngineDeadError
 from anna.server.chat import render_chat_request
 from anna.server.metrics import EngineCollector, make_registry, render
@@ -222,7 +223,12 @@ def create_app(settings: ResolvedSettings, *, load_in_background: bool = True) -
 
     def load() -> None:
         try:
-            state.engine = AsyncEngine(LLMEngine(settings))
+            engine = LLMEngine(settings)
+            if settings.inference_warmup:
+                run_warmup(engine)
+            else:
+                log.warning("Inference warmup is off (--no-inference-warmup): the first requests pay first-use costs")
+            state.engine = AsyncEngine(engine)
             log.info("Ready: serving '%s' on http://%s:%d", state.model_name, settings.host, settings.port)
         except BaseException as exc:  # reported by /health and every route
             log.exception("model failed to load")

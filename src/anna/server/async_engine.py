@@ -96,10 +96,22 @@ class AsyncEngine:
         if not s.skip_batch_wait_when_idle and s.batch_wait_ms > 0:
             time.sleep(s.batch_wait_ms / 1000)
 
+    def _log_stats(self) -> None:
+        interval = self.engine.settings.log_stats_interval
+        now = time.monotonic()
+        if interval > 0 and now - self._last_stats_log >= interval:
+            self._last_stats_log = now
+            e = self.engine
+            log.info("Running: %d, waiting: %d, KV usage: %.1f%%, prefix cache hits: %d/%d tokens. %s",
+                     len(e.scheduler.running), len(e.scheduler.waiting), 100 * e.kv.usage, e.kv.prefix_cache_hits,
+                     e.kv.prefix_cache_queries, e.stats.steps.summary())
+
     def _run(self) -> None:
         engine = self.engine
+        self._last_stats_log = time.monotonic()
         try:
             while not self._stop:
+                self._log_stats()
                 if not engine.has_unfinished_requests() and self._commands.empty():
                     self._wake.wait(timeout=1.0)
                     self._wake.clear()

@@ -6,9 +6,11 @@ from __future__ import annotations
 from typing import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, InfoMetricFamily,
+                                   Metric)
 
 from anna.runtime.engine import LLMEngine
+from anna.runtime.scheduler import StepClass
 
 
 class EngineCollector:
@@ -48,6 +50,34 @@ class EngineCollector:
         for reason in ("stop", "length"):
             fin.add_metric(lv + [reason], stats.finished.get(reason, 0))
         yield fin
+        pc = engine.prompt_cache
+        yield counter("prompt_cache_lookups", "Exact prompt cache lookups.", pc.lookups)
+        yield counter("prompt_cache_hits", "Exact prompt cache hits.", pc.hits)
+        steps = CounterMetricFamily("anna:engine_steps", "Engine steps by class.", labels=labels + ["step_class"])
+        for cls in StepClass:
+            steps.add_metric(lv + [cls.value], stats.steps.counts.get(cls, 0))
+        yield steps
+        yield counter("engine_step_spikes", "Steps longer than 3x their class's rolling mean.", stats.steps.spikes)
+        for name, doc, hist in (
+                ("time_to_first_token_seconds", "Arrival to first token.", stats.ttft),
+                ("inter_token_latency_seconds", "Time between consecutive tokens of a request.", stats.inter_token),
+                ("e2e_request_latency_seconds", "Arrival to finish.", stats.e2e),
+                ("request_queue_time_seconds", "Arrival to first scheduling.", stats.queue),
+                ("request_prefill_time_seconds", "First scheduling to first token.", stats.prefill),
+                ("request_decode_time_seconds", "First token to finish.", stats.decode)):
+            h = HistogramMetricFamily(f"anna:{name}", doc, labels=labels)
+            h.add_metric(lv, hist.cumulative(), hist.total)
+            yield h
+        info = InfoMetricFamily("anna:cache_config", "Resolved cache and scheduler settings.")
+        s = engine.settings
+        info.add_metric([], {k: str(v) for k, v in {
+            "model_name": self.model_name, "block_size": s.block_size, "num_blocks": kv.num_blocks,
+            "enable_prefix_caching": s.enable_prefix_caching, "prompt_cache_size": pc.size,
+            "prompt_cache_max_tokens": pc.max_tokens, "scheduler_profile": s.scheduler_profile,
+            "max_num_seqs": s.max_num_seqs, "max_num_batched_tokens": s.max_num_batched_tokens,
+            "long_prefill_token_threshold": s.long_prefill_token_threshold,
+            "prefill_interval_steps": s.prefill_interval_steps, "quantization": s.quantization}.items()})
+        yield info
 
 
 def make_registry(collector: EngineCollector) -> CollectorRegistry:
