@@ -80,7 +80,7 @@ class ServeSettings:
     cpu_kernels: bool | None = _setting(
         True, "Use Anna's compiled CPU matmul kernels for decode-sized matmuls (built with the C compiler).")
     cpu_gemv_max_rows: int | None = _setting(
-        32, "Largest M (rows) routed to Anna's CPU matmul kernel; larger matmuls use torch.")
+        128, "Largest M (rows) routed to Anna's CPU matmul kernel; larger matmuls use torch.")
     cpu_upcast_min_rows: int | None = _setting(
         8, "Without Anna's CPU kernels: from this M on, half-precision matmuls run in fp32 (0 = never).")
 

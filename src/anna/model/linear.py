@@ -24,7 +24,7 @@ class KernelPolicy:
     """Which kernels the layers use; one object shared by the whole model."""
 
     cpu: CpuKernels | None = None  # Anna's CPU kernels, when they could be built
-    cpu_gemv_max_rows: int = 32
+    cpu_gemv_max_rows: int = 128
     cpu_upcast_min_rows: int = 8  # without Anna's kernels: half-precision matmuls from this M on run in fp32
     quantization: str = "none"  # none | int8 | int4
     int4_group_size: int = 32
