@@ -99,12 +99,12 @@ def fake_quantized(model, quant: str, group: int = 32):
     return fake
 
 
-@pytest.mark.parametrize("quant, bound", [("int8", 0.02), ("int4", 0.35)])
+@pytest.mark.parametrize("quant, bound", [("int8", 0.04), ("int4", 0.35)])
 def test_quantized_model_logits(quant, bound, hf_models, cache_dir, tmp_path):
     """Two checks: (1) against the same model with dequantized weights, Anna's quantized execution
     agrees within 2% (relative norm; the packed kernels quantize activations to int8 per 32
     values); (2) against full precision, the stated accuracy of these random tiny models:
-    relative logit error (norm) under 2% for int8 and 35% for int4."""
+    relative logit error (norm) under 4% for int8 and 35% for int4."""
     model, path = hf_models["qwen2"]
     engine = LLMEngine(engine_settings(path, cache_dir, quantization=quant, int4_cache_dir=str(tmp_path)),
                        show_progress=False)
