@@ -90,6 +90,15 @@ class ServeSettings:
         0.0, "KV cache budget in GiB; 0 = automatic (a fraction of free device memory, on CPU of available RAM).")
     num_gpu_blocks_override: int | None = _setting(0, "Exact number of KV blocks (overrides the memory budget); 0 = off.")
     enable_prefix_caching: bool | None = _setting(True, "Share full KV blocks between requests with the same prefix.")
+    min_free_memory_mib: float | None = _setting(
+        1024.0, "Safety floor of free memory (MiB): below it an idle engine releases KV memory at once.")
+    memory_release_sweep_interval_s: float | None = _setting(
+        30.0, "Seconds between the idle engine's memory-release checks; 0 = no periodic checks.")
+    memory_release_min_free_mib: float | None = _setting(
+        -1.0, "Periodic check: release when free memory is below this (MiB); -1 = min_free_memory_mib.", minimum=-1)
+    memory_release_max_gap_mib: float | None = _setting(
+        1024.0, "Periodic check: release when resident-but-unused KV memory exceeds this (MiB); 0 = off.")
+    kv_release_chunk_blocks: int | None = _setting(64, "KV blocks per chunk, the unit memory is returned in.")
     prompt_cache_size: int | None = _setting(
         -1, "Whole prompts kept in the exact prompt cache; -1 = auto (4 when the KV layout is not paged, else 0), "
             "0 = off.", minimum=-1)

@@ -20,6 +20,7 @@ from anna.model.cpu_kernels import build_cpu_kernels
 from anna.model.linear import KernelPolicy
 from anna.runtime.kv_cache import KVCacheManager
 from anna.runtime.memory import activation_dtype, plan_kv_cache, resolve_device, resolve_dtype
+from anna.runtime.memory_release import MemoryReleaser, ReleasePolicy
 from anna.runtime.metrics import EngineStats
 from anna.runtime.model_runner import ModelRunner
 from anna.runtime.prompt_cache import PromptCache
@@ -91,6 +92,10 @@ class LLMEngine:
             skip_batch_wait_when_idle=s.skip_batch_wait_when_idle, batch_wait_ms=s.batch_wait_ms), self.kv,
             self.prompt_cache)
         self.runner = ModelRunner(model, self.kv, self.device, self.activation_dtype, Sampler(s.seed, self.device))
+        floor = s.memory_release_min_free_mib if s.memory_release_min_free_mib >= 0 else s.min_free_memory_mib
+        self.memory = MemoryReleaser(self.kv, self.runner.kv_caches, self.prompt_cache, self.device,
+                                     s.kv_release_chunk_blocks,
+                                     ReleasePolicy(s.memory_release_sweep_interval_s, floor, s.memory_release_max_gap_mib))
         self.eos_token_ids = frozenset(cfg.eos_token_ids or
                                        ([self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []))
         self.stats = EngineStats()
@@ -203,12 +208,16 @@ class LLMEngine:
                 self._append_token(state, token, logprobs)
                 touched[group.request_id] = group
         outputs = []
+        finished_any = False
         for group in touched.values():
             outputs.append(self._make_output(group))
             if group.finished:
+                finished_any = True
                 self.groups.pop(group.request_id, None)
                 for state in group.seqs:
                     self._seqs.pop(state.req.request_id, None)
+        if finished_any and not self.scheduler.has_work():
+            self.memory.maybe_release(idle=True, periodic=False)
         return outputs
 
     def _append_token(self, state: SequenceState, token: int, logprobs: tuple | None) -> None:

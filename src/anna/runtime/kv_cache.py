@@ -36,6 +36,7 @@ class BlockPool:
         # Unreferenced blocks, least recently used first. O(1) pop from either end and removal by id.
         self.free: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
         self.cached: dict[bytes, KVBlock] = {}
+        self.on_allocate = None  # optional callback(block_id), for the memory releaser
 
     @property
     def num_blocks(self) -> int:
@@ -56,6 +57,8 @@ class BlockPool:
                 block.hash = None
             block.ref_cnt = 1
             out.append(block)
+            if self.on_allocate is not None:
+                self.on_allocate(block.block_id)
         return out
 
     def touch(self, blocks: list[KVBlock]) -> None:
@@ -78,6 +81,18 @@ class BlockPool:
         if block.hash is None and h not in self.cached:
             block.hash = h
             self.cached[h] = block
+
+    def uncache(self, block_ids) -> int:
+        """Forget the cached contents of these (unreferenced) blocks; returns how many were cached."""
+        dropped = 0
+        for i in block_ids:
+            block = self.blocks[i]
+            if block.hash is not None and block.ref_cnt == 0:
+                if self.cached.get(block.hash) is block:
+                    del self.cached[block.hash]
+                block.hash = None
+                dropped += 1
+        return dropped
 
     def reset_cache(self) -> int:
         """Forget every unreferenced cached block; returns how many were dropped."""

@@ -113,6 +113,7 @@ class AsyncEngine:
             while not self._stop:
                 self._log_stats()
                 if not engine.has_unfinished_requests() and self._commands.empty():
+                    engine.memory.maybe_release(idle=True, periodic=True)
                     self._wake.wait(timeout=1.0)
                     self._wake.clear()
                     if self._stop:

@@ -39,6 +39,9 @@ class EngineCollector:
         yield gauge("num_requests_running", "Requests in the running batch.", len(sched.running))
         yield gauge("num_requests_waiting", "Requests waiting to be scheduled.", len(sched.waiting))
         yield gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (1 = full).", kv.usage)
+        yield gauge("kv_cache_resident_bytes", "KV memory in chunks that have been used and not released.",
+                    engine.memory.resident_bytes())
+        yield counter("memory_releases", "Adaptive memory releases.", engine.memory.releases)
         yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", kv.prefix_cache_queries)
         yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", kv.prefix_cache_hits)
         yield counter("num_preemptions", "Requests preempted for lack of KV blocks.", sched.num_preemptions)

@@ -1,0 +1,98 @@
+"""Adaptive memory release: an idle engine shrinks back, blocks in use are never touched, and
+outputs after a release are the same."""
+
+from __future__ import annotations
+
+import pytest
+
+from anna.core.sampling_params import SamplingParams
+from anna.runtime.engine import LLMEngine
+from conftest import engine_settings
+from test_scheduler import assert_pool_free, drain
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as fh:
+        return int(fh.read().split()[1]) * 4096
+
+
+def make(qwen2_dir, cache_dir, **kw) -> LLMEngine:
+    base = dict(num_gpu_blocks_override=4096, max_model_len=512, kv_release_chunk_blocks=16, max_num_seqs=32,
+                max_num_batched_tokens=2048, memory_release_sweep_interval_s=0)
+    base.update(kw)
+    return LLMEngine(engine_settings(qwen2_dir, cache_dir, **base), show_progress=False)
+
+
+def test_idle_engine_after_a_burst_shrinks_back(qwen2_dir, cache_dir):
+    # free memory is always "below" a huge floor: every time the engine goes idle it releases at once
+    engine = make(qwen2_dir, cache_dir, min_free_memory_mib=10**9, enable_prefix_caching=True)
+    per_block = engine.memory.block_bytes
+    burst = [(f"b{i}", [3 + (i * 7 + j) % 700 for j in range(480)], SamplingParams(max_tokens=30, ignore_eos=True))
+             for i in range(32)]
+    kv_bytes = 32 * 30 * per_block  # 30 blocks of 16 tokens per request
+    before = rss_bytes()
+    engine.memory.policy.min_free_mib = 0  # let the burst build up first
+    for rid, prompt, params in burst:
+        engine.add_request(rid, prompt, params)
+    while engine.has_unfinished_requests():
+        engine.step()
+        if engine.scheduler.running and len(engine.scheduler.running) == 32 and not engine.scheduler.waiting:
+            break
+    assert engine.memory.resident_bytes() >= 0.9 * kv_bytes
+    grown = rss_bytes()
+    assert grown - before > 0.7 * kv_bytes  # the pool commits memory only as blocks are used
+    engine.memory.policy.min_free_mib = 10**9
+    drain(engine)  # the last request to end triggers the release
+    assert engine.memory.releases == 1 and engine.memory.resident_bytes() == 0
+    assert not engine.kv.pool.cached  # cached prefix blocks in released chunks were evicted
+    assert grown - rss_bytes() > 0.7 * kv_bytes  # and the pages really went back
+    assert_pool_free(engine)
+
+
+def test_release_never_touches_blocks_in_use_and_outputs_are_identical(qwen2_dir, cache_dir):
+    prompt = [5 + (i * 11) % 600 for i in range(300)]  # 19 blocks
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    reference = make(qwen2_dir, cache_dir)
+    reference.add_request("r", prompt, params)
+    expected = drain(reference)["r"]
+
+    engine = make(qwen2_dir, cache_dir)
+    engine.add_request("other", [7] * 400, SamplingParams(max_tokens=1, ignore_eos=True))
+    drain(engine)  # leaves idle, cached blocks behind
+    engine.add_request("r", prompt, params)
+    for _ in range(5):
+        engine.step()
+    req = engine._seqs["r"][1].req
+    in_use = {b.block_id // engine.memory.chunk_blocks for b in engine.kv.req_blocks["r"]}
+    freed = engine.memory.release("test")
+    assert freed["kv_chunks"] > 0
+    assert in_use <= engine.memory.resident  # chunks holding blocks in use stay
+    assert all(b.ref_cnt == 1 for b in engine.kv.req_blocks["r"])
+    assert drain(engine)["r"] == expected
+    assert req.num_output_tokens == 40
+    # and a prompt whose cached blocks were evicted computes the same again
+    engine.memory.release("test")
+    hits = engine.kv.prefix_cache_hits
+    engine.add_request("again", prompt, params)
+    assert drain(engine)["again"] == expected
+    assert engine.kv.prefix_cache_hits == hits  # nothing left to hit
+    assert_pool_free(engine)
+
+
+def test_periodic_sweep_releases_an_idle_gap(qwen2_dir, cache_dir):
+    engine = make(qwen2_dir, cache_dir, memory_release_sweep_interval_s=30, memory_release_max_gap_mib=0.1,
+                  min_free_memory_mib=0)
+    engine.add_request("a", [9] * 400, SamplingParams(max_tokens=1, ignore_eos=True))
+    drain(engine)
+    assert engine.memory.releases == 0 and engine.memory.idle_gap_bytes() > 0.1 * 2**20
+    assert engine.memory.maybe_release(idle=True, periodic=True) is None  # the interval has not passed
+    engine.memory.last_sweep -= 31
+    assert engine.memory.maybe_release(idle=False, periodic=True) is None  # never while busy
+    freed = engine.memory.maybe_release(idle=True, periodic=True)
+    assert freed is not None and freed["kv_chunks"] > 0 and engine.memory.idle_gap_bytes() == 0
+
+
+@pytest.mark.parametrize("bad", [{"memory_release_max_gap_mib": -1}, {"kv_release_chunk_blocks": -5}])
+def test_bad_release_settings_are_rejected(qwen2_dir, cache_dir, bad):
+    with pytest.raises(ValueError):
+        make(qwen2_dir, cache_dir, **bad)
