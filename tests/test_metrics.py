@@ -70,3 +70,25 @@ def test_warmup_runs_every_shape_and_leaves_no_trace(qwen2_dir, cache_dir, caplo
     assert engine.kv.prefix_cache_hits == 0 and engine.kv.prefix_cache_queries == 0
     assert not engine.kv.pool.cached  # warmup blocks are not kept as prefix cache
     assert engine.stats.generation_tokens == 0 and sum(engine.stats.steps.counts.values()) == 0
+
+
+def test_profile_runtime_regions_and_identical_outputs(qwen2_dir, cache_dir):
+    from anna.core.sampling_params import SamplingParams
+    from anna.runtime.engine import LLMEngine
+    from conftest import engine_settings
+    from test_scheduler import drain
+
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    plain = LLMEngine(engine_settings(qwen2_dir, cache_dir), show_progress=False)
+    profiled = LLMEngine(engine_settings(qwen2_dir, cache_dir, profile_runtime=True), show_progress=False)
+    for engine in (plain, profiled):
+        engine.add_request("p", list(range(10, 50)), params)
+    assert drain(profiled) == drain(plain)
+    report = profiled.profiler.report()
+    assert report["steps"] == 12
+    names = set(report["regions"])
+    assert {"rmsnorm", "rotary", "attention", "lm_head", "sampling", "cpu_launch_gap",
+            "matmul:anna_gemv"} <= names
+    assert 0 < sum(r["share_of_step"] for n, r in report["regions"].items() if n != "cpu_launch_gap") <= 1.0
+    assert "Runtime profile over 12 steps" in profiled.profiler.table()
+    assert plain.profiler is None

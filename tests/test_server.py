@@ -282,3 +282,8 @@ def test_metrics_count_tokens_exactly(server, client):
     assert steps - sum(v for k, v in before.items() if k.startswith("anna:engine_steps_total")) >= 7
     text = httpx.get(server + "/metrics", headers=auth()).text
     assert 'anna:cache_config_info{' in text and 'enable_prefix_caching="True"' in text
+
+
+def test_debug_profile_is_404_unless_profiling(server):
+    r = httpx.get(server + "/debug/profile", headers=auth())
+    assert r.status_code == 404 and "--profile-runtime" in r.json()["error"]["message"]

@@ -138,6 +138,9 @@ class ServeSettings:
         "none", "Split <think>...</think> reasoning into reasoning_content.",
         choices=("none", "think", "qwen3", "deepseek_r1"))
     log_level: str | None = _setting("info", "Logging level.", choices=("debug", "info", "warning", "error"))
+    profile_runtime: bool | None = _setting(
+        False, "Time every region of the forward pass (diagnosis only: it costs time, and turns off the fused "
+               "CPU decode path); shown in the periodic stats line and at GET /debug/profile.")
     log_stats_interval: float | None = _setting(
         10.0, "Seconds between the periodic engine stats log lines while serving; 0 = off.")
 

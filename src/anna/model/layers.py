@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from anna.model.linear import DEFAULT_POLICY, KernelPolicy, make_linear
+from anna.model.linear import DEFAULT_POLICY, KernelPolicy, make_linear, profiled
 
 
 class RMSNorm(nn.Module):
@@ -23,6 +23,10 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """norm(x); with a residual stream: residual += x, return (norm(residual), residual)."""
+        with profiled(self.policy, "rmsnorm"):
+            return self._forward(x, residual)
+
+    def _forward(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         cpu = self.policy.cpu
         if cpu is not None and x.dtype == torch.float32 and x.is_contiguous() and x.device.type == "cpu":
             if residual is None:

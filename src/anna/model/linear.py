@@ -8,13 +8,17 @@ several times slower than its fp32 GEMM. benchmarks/matmul_routing.py measures t
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, ContextManager
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from anna.model.cpu_kernels import CpuKernels
+if TYPE_CHECKING:
+    from anna.runtime.profiler import RuntimeProfiler
 from anna.model.quantization import (INT4_BLOCK, dequantize_int4, dequantize_int8, quantize_int4,
                                      quantize_int8)
 
@@ -30,6 +34,12 @@ class KernelPolicy:
     int4_group_size: int = 32
     int4_matmul: str = "auto"  # auto | packed | dequant
     int4_gemv_m_threshold: int = 16  # auto: packed kernel for M <= this, dequant + dense GEMM above
+    profiler: "RuntimeProfiler | None" = None  # --profile-runtime
+
+
+def profiled(policy: KernelPolicy, name: str) -> ContextManager:
+    """A --profile-runtime region, or nothing."""
+    return nullcontext() if policy.profiler is None else policy.profiler.region(name)
 
 
 DEFAULT_POLICY = KernelPolicy()
@@ -48,6 +58,7 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(self.out_features, in_features, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(self.out_features, dtype=dtype), requires_grad=False) if bias else None
         self.policy = policy
+        self.profile_name: str | None = None  # region name under --profile-runtime (default: the route)
 
     def shard_slice(self, shard: int) -> slice:
         start = sum(self.shard_sizes[:shard])
@@ -63,16 +74,21 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w, policy = self.weight, self.policy
         if x.device.type != "cpu":
-            return F.linear(x, w, self.bias)
+            with profiled(policy, self.profile_name or "matmul:torch"):
+                return F.linear(x, w, self.bias)
         rows = x.numel() // x.shape[-1]
         if policy.cpu is not None and rows <= policy.cpu_gemv_max_rows and policy.cpu.supports_weight(w):
-            return policy.cpu.gemv(x, w, self.bias).to(x.dtype)
+            with profiled(policy, self.profile_name or "matmul:anna_gemv"):
+                return policy.cpu.gemv(x, w, self.bias).to(x.dtype)
         if w.dtype == x.dtype:
-            return F.linear(x, w, self.bias)
+            with profiled(policy, self.profile_name or "matmul:torch"):
+                return F.linear(x, w, self.bias)
         if policy.cpu is not None or 0 < policy.cpu_upcast_min_rows <= rows:
-            bias = None if self.bias is None else self.bias.float()
-            return F.linear(x.float(), w.float(), bias).to(x.dtype)
-        return F.linear(x.to(w.dtype), w, self.bias).to(x.dtype)
+            with profiled(policy, self.profile_name or "matmul:torch_fp32_upcast"):
+                bias = None if self.bias is None else self.bias.float()
+                return F.linear(x.float(), w.float(), bias).to(x.dtype)
+        with profiled(policy, self.profile_name or "matmul:torch_half"):  # small M without Anna's kernel
+            return F.linear(x.to(w.dtype), w, self.bias).to(x.dtype)
 
 
 def check_shape(name: str, where: str, expected: tuple, got: tuple) -> None:
@@ -110,6 +126,7 @@ class QuantLinear(nn.Module):
             self.register_buffer("scales", torch.zeros(n, in_features // self.group, dtype=torch.float32))
         self.bias = nn.Parameter(torch.zeros(n, dtype=dtype), requires_grad=False) if bias else None
         self.policy = policy
+        self.profile_name: str | None = None
 
     shard_slice = Linear.shard_slice
 
@@ -146,10 +163,15 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
+        fmt = "int8" if self.kind == 0 else "int4"
         if self.uses_packed_kernel(rows):
-            return self.policy.cpu.qgemm(x, self.qweight, self.scales, self.kind, self.group, self.bias).to(x.dtype)
-        w = self.dequantized().to(x.dtype)
-        return F.linear(x, w, None if self.bias is None else self.bias.to(x.dtype))
+            with profiled(self.policy, self.profile_name or f"matmul:{fmt}_packed"):
+                return self.policy.cpu.qgemm(x, self.qweight, self.scales, self.kind, self.group,
+                                             self.bias).to(x.dtype)
+        with profiled(self.policy, "dequantize"):
+            w = self.dequantized().to(x.dtype)
+        with profiled(self.policy, self.profile_name or f"matmul:{fmt}_dequant_gemm"):
+            return F.linear(x, w, None if self.bias is None else self.bias.to(x.dtype))
 
 
 def make_linear(in_features: int, out_features: int | list[int], *, bias: bool, dtype: torch.dtype,

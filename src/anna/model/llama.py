@@ -17,7 +17,8 @@ from anna.model.attention import AttentionMetadata, paged_attention
 from anna.model.config import ModelConfig
 from anna.model.cpu_kernels import WEIGHT_TYPES, AnnaLayer, AnnaLinear, CpuKernels
 from anna.model.layers import GatedMLP, RMSNorm, RopeBatch, RotaryEmbedding, apply_rotary
-from anna.model.linear import DEFAULT_POLICY, KernelPolicy, Linear, QuantLinear, check_shape, make_linear
+from anna.model.linear import (DEFAULT_POLICY, KernelPolicy, Linear, QuantLinear, check_shape, make_linear,
+                               profiled)
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -45,16 +46,18 @@ class Attention(nn.Module):
             q = self.q_norm(q.reshape(t, self.num_heads, self.head_dim)).view(t, -1)
             k = self.k_norm(k.reshape(t, self.num_kv_heads, self.head_dim)).view(t, -1)
         cpu = self.policy.cpu
-        if cpu is not None and qkv.dtype == torch.float32 and qkv.device.type == "cpu":
-            cpu.rotary(q, self.num_heads, self.head_dim, rope.cos_table, rope.sin_table, rope.positions)
-            cpu.rotary(k, self.num_kv_heads, self.head_dim, rope.cos_table, rope.sin_table, rope.positions)
-            q = q.view(t, self.num_heads, self.head_dim)
-            k = k.view(t, self.num_kv_heads, self.head_dim)
-        else:
-            q = apply_rotary(q.view(t, self.num_heads, self.head_dim), rope.cos, rope.sin)
-            k = apply_rotary(k.view(t, self.num_kv_heads, self.head_dim), rope.cos, rope.sin)
+        with profiled(self.policy, "rotary"):
+            if cpu is not None and qkv.dtype == torch.float32 and qkv.device.type == "cpu":
+                cpu.rotary(q, self.num_heads, self.head_dim, rope.cos_table, rope.sin_table, rope.positions)
+                cpu.rotary(k, self.num_kv_heads, self.head_dim, rope.cos_table, rope.sin_table, rope.positions)
+                q = q.view(t, self.num_heads, self.head_dim)
+                k = k.view(t, self.num_kv_heads, self.head_dim)
+            else:
+                q = apply_rotary(q.view(t, self.num_heads, self.head_dim), rope.cos, rope.sin)
+                k = apply_rotary(k.view(t, self.num_kv_heads, self.head_dim), rope.cos, rope.sin)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.sliding_window, cpu)
+        with profiled(self.policy, "attention"):
+            out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.sliding_window, cpu)
         return self.o_proj(out.view(t, -1))
 
 
@@ -98,6 +101,7 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, policy) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, policy)
         self.lm_head = make_linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, policy=policy)
+        self.lm_head.profile_name = "lm_head"
         if cfg.tie_word_embeddings and isinstance(self.lm_head, QuantLinear):
             # The quantized lm_head is the only copy: lookups dequantize the rows they need.
             self.register_parameter("embed_tokens", None)
@@ -131,7 +135,7 @@ class LlamaForCausalLM(nn.Module):
     def _fused_decode_applies(self, hidden: torch.Tensor, meta: AttentionMetadata, kv_caches: list[KVCache]) -> bool:
         """Decode-only batches on CPU with Anna's kernels run all layers in one C call."""
         policy = self.layers[0].self_attn.policy
-        if (policy.cpu is None or hidden.device.type != "cpu" or hidden.dtype != torch.float32 or meta.prefills
+        if (policy.cpu is None or policy.profiler is not None or hidden.device.type != "cpu" or hidden.dtype != torch.float32 or meta.prefills
                 or meta.num_decode_tokens != hidden.shape[0] or hidden.shape[0] > policy.cpu_gemv_max_rows
                 or kv_caches[0][0].dtype != torch.float32):
             return False

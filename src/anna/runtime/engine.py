@@ -23,6 +23,7 @@ from anna.runtime.memory import activation_dtype, plan_kv_cache, resolve_device,
 from anna.runtime.memory_release import MemoryReleaser, ReleasePolicy
 from anna.runtime.metrics import EngineStats
 from anna.runtime.model_runner import ModelRunner
+from anna.runtime.profiler import RuntimeProfiler
 from anna.runtime.prompt_cache import PromptCache
 from anna.runtime.sampler import Sampler
 from anna.runtime.scheduler import Scheduler, SchedulerConfig
@@ -104,12 +105,14 @@ class LLMEngine:
 
     def _kernel_policy(self) -> KernelPolicy:
         s = self.settings
+        self.profiler = RuntimeProfiler(self.device) if s.profile_runtime else None
         cpu = build_cpu_kernels(s.cache_dir) if s.cpu_kernels and self.device.type == "cpu" else None
         if self.device.type == "cpu":
             log.info("CPU kernels: %s", f"Anna's (matmuls up to M={s.cpu_gemv_max_rows})" if cpu else "torch's")
         return KernelPolicy(cpu=cpu, cpu_gemv_max_rows=s.cpu_gemv_max_rows, cpu_upcast_min_rows=s.cpu_upcast_min_rows,
                             quantization=s.quantization, int4_group_size=s.int4_group_size,
-                            int4_matmul=s.int4_matmul, int4_gemv_m_threshold=s.int4_gemv_m_threshold)
+                            int4_matmul=s.int4_matmul, int4_gemv_m_threshold=s.int4_gemv_m_threshold,
+                            profiler=self.profiler)
 
     def _prompt_cache(self) -> PromptCache:
         """Resolve the exact prompt cache's auto values. Anna's KV layout is paged, so by default
@@ -190,12 +193,14 @@ class LLMEngine:
 
     # ---- the loop ----
     def step(self) -> list[RequestOutput]:
-        start = time.perf_counter()
+        start = time.perf_counter() if self.profiler is None else self.profiler.step_started()
         batch = self.scheduler.schedule()
         if not batch:
             return []
         sampled = self.runner.execute(batch)
         self.stats.steps.record(batch.step_class, time.perf_counter() - start)
+        if self.profiler is not None:
+            self.profiler.step_finished(start)
         touched: dict[str, RequestGroup] = {}
         for req, n in zip(batch.requests, batch.num_new_tokens):
             req.num_computed_tokens += n

@@ -11,6 +11,7 @@ import torch
 
 from anna.core.request import Request
 from anna.model.attention import AttentionMetadata, build_metadata
+from anna.model.linear import profiled
 from anna.model.llama import LlamaForCausalLM
 from anna.runtime.kv_cache import KVCacheManager
 from anna.runtime.sampler import SampleResult, Sampler
@@ -105,5 +106,6 @@ class ModelRunner:
         rows = torch.tensor([inputs.logits_indices[pos] for pos, _ in sampling], device=self.device)
         logits = self.model.compute_logits(hidden[rows])
         reqs = [r for _, r in sampling]
-        result: SampleResult = self.sampler(logits, reqs)
+        with profiled(self.model.lm_head.policy, "sampling"):
+            result: SampleResult = self.sampler(logits, reqs)
         return {r.request_id: (t, lp) for r, t, lp in zip(reqs, result.token_ids, result.logprobs)}

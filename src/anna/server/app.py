@@ -283,6 +283,13 @@ def create_app(settings: ResolvedSettings, *, load_in_background: bool = True) -
     async def metrics() -> Response:
         return Response(render(registry), media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    @app.get("/debug/profile")
+    async def debug_profile() -> JSONResponse:
+        profiler = state.core.profiler
+        if profiler is None:
+            raise APIError(404, "runtime profiling is off: start the server with --profile-runtime")
+        return JSONResponse(profiler.report())
+
     @app.post("/tokenize")
     async def tokenize(request: Request) -> JSONResponse:
         req = await parse_body(request, TokenizeRequest)

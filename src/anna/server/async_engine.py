@@ -105,6 +105,8 @@ class AsyncEngine:
             log.info("Running: %d, waiting: %d, KV usage: %.1f%%, prefix cache hits: %d/%d tokens. %s",
                      len(e.scheduler.running), len(e.scheduler.waiting), 100 * e.kv.usage, e.kv.prefix_cache_hits,
                      e.kv.prefix_cache_queries, e.stats.steps.summary())
+            if e.profiler is not None:
+                log.info(e.profiler.table())
 
     def _run(self) -> None:
         engine = self.engine
