@@ -87,11 +87,9 @@ class LLMEngine:
         self.prompt_cache = self._prompt_cache()
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
-            max_model_len=self.max_model_len, long_prefill_token_threshold=s.long_prefill_token_threshold,
+            long_prefill_token_threshold=s.long_prefill_token_threshold,
             prefill_interval_steps=s.prefill_interval_steps,
-            event_driven_prefill_insert=s.scheduler_event_driven_prefill_insert,
-            skip_batch_wait_when_idle=s.skip_batch_wait_when_idle, batch_wait_ms=s.batch_wait_ms), self.kv,
-            self.prompt_cache)
+            event_driven_prefill_insert=s.scheduler_event_driven_prefill_insert), self.kv, self.prompt_cache)
         self.runner = ModelRunner(model, self.kv, self.device, self.activation_dtype, Sampler(s.seed, self.device))
         floor = s.memory_release_min_free_mib if s.memory_release_min_free_mib >= 0 else s.min_free_memory_mib
         self.memory = MemoryReleaser(self.kv, self.runner.kv_caches, self.prompt_cache, self.device,

@@ -30,12 +30,9 @@ class StepClass(enum.Enum):
 class SchedulerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
-    max_model_len: int
     long_prefill_token_threshold: int  # chunk size for a prefill that runs beside decodes
     prefill_interval_steps: int
     event_driven_prefill_insert: bool
-    skip_batch_wait_when_idle: bool
-    batch_wait_ms: float
 
 
 @dataclass
