@@ -99,8 +99,9 @@ class AsyncEngine:
     def _log_stats(self) -> None:
         interval = self.engine.settings.log_stats_interval
         now = time.monotonic()
-        if interval > 0 and now - self._last_stats_log >= interval:
-            self._last_stats_log = now
+        steps = sum(self.engine.stats.steps.counts.values())
+        if interval > 0 and now - self._last_stats_log >= interval and steps != self._last_stats_steps:
+            self._last_stats_log, self._last_stats_steps = now, steps  # idle servers stay quiet
             e = self.engine
             log.info("Running: %d, waiting: %d, KV usage: %.1f%%, prefix cache hits: %d/%d tokens. %s",
                      len(e.scheduler.running), len(e.scheduler.waiting), 100 * e.kv.usage, e.kv.prefix_cache_hits,
@@ -111,6 +112,7 @@ class AsyncEngine:
     def _run(self) -> None:
         engine = self.engine
         self._last_stats_log = time.monotonic()
+        self._last_stats_steps = 0
         try:
             while not self._stop:
                 self._log_stats()
