@@ -110,35 +110,55 @@ DEFINE_GEMM_ROWS(4)
 /* M >= 4: tiles of 3 weight rows x 4 rows of x, twelve accumulators in registers. Each 3-row
  * slice of W stays in L1 while every group of 4 x rows passes over it, so W is read from memory
  * once however large M is; per 8 columns the tile does 12 FMAs for 7 loads. */
+/* One 3-row slice of W (rows r0..r0+2 of src, in src's type st) against every group of 4 rows
+ * of x; y rows n..n+2. */
+INLINE void tile_block(const float *x, const void *src, int st, long r0, const void *w, int wtype, const float *bias,
+                       float *y, int M4, long N, long n, long K) {
+    long K8 = K & ~7L;
+    for (int m = 0; m < M4; m += 4) {
+        __m256 acc[3][4];
+        for (int r = 0; r < 3; r++)
+            for (int j = 0; j < 4; j++) acc[r][j] = _mm256_setzero_ps();
+        for (long k = 0; k < K8; k += 8) {
+            __m256 w0 = load8(src, st, (r0 + 0) * K + k);
+            __m256 w1 = load8(src, st, (r0 + 1) * K + k);
+            __m256 w2 = load8(src, st, (r0 + 2) * K + k);
+            for (int j = 0; j < 4; j++) {
+                __m256 xv = _mm256_loadu_ps(x + (m + j) * K + k);
+                acc[0][j] = _mm256_fmadd_ps(w0, xv, acc[0][j]);
+                acc[1][j] = _mm256_fmadd_ps(w1, xv, acc[1][j]);
+                acc[2][j] = _mm256_fmadd_ps(w2, xv, acc[2][j]);
+            }
+        }
+        for (int r = 0; r < 3; r++)
+            for (int j = 0; j < 4; j++) {
+                float s = hsum(acc[r][j]);
+                for (long k = K8; k < K; k++) s += load1(w, wtype, (n + r) * K + k) * x[(m + j) * K + k];
+                y[(m + j) * N + n + r] = s + (bias ? bias[n + r] : 0.0f);
+            }
+    }
+}
+
+/* M >= 4: tiles of 3 weight rows x 4 rows of x, twelve accumulators in registers. Each 3-row
+ * slice of W stays in L1 while every group of 4 x rows passes over it, so W is read from memory
+ * once however large M is; per 8 columns the tile does 12 FMAs for 7 loads. With several groups
+ * of x rows, half-precision slices are converted to fp32 once instead of once per group. */
 INLINE void gemm_tiles(const float *x, const void *w, int wtype, const float *bias, float *y, int M, long N,
                        long n_begin, long n_end, long K) {
     long K8 = K & ~7L;
     int M4 = M & ~3;
     long n = n_begin;
+    float *wf = (wtype != 2 && M4 >= 8) ? (float *)malloc(sizeof(float) * 3 * K) : 0;
     for (; n + 3 <= n_end; n += 3) {
-        for (int m = 0; m < M4; m += 4) {
-            __m256 acc[3][4];
+        if (wf) {
             for (int r = 0; r < 3; r++)
-                for (int j = 0; j < 4; j++) acc[r][j] = _mm256_setzero_ps();
-            for (long k = 0; k < K8; k += 8) {
-                __m256 w0 = load8(w, wtype, (n + 0) * K + k);
-                __m256 w1 = load8(w, wtype, (n + 1) * K + k);
-                __m256 w2 = load8(w, wtype, (n + 2) * K + k);
-                for (int j = 0; j < 4; j++) {
-                    __m256 xv = _mm256_loadu_ps(x + (m + j) * K + k);
-                    acc[0][j] = _mm256_fmadd_ps(w0, xv, acc[0][j]);
-                    acc[1][j] = _mm256_fmadd_ps(w1, xv, acc[1][j]);
-                    acc[2][j] = _mm256_fmadd_ps(w2, xv, acc[2][j]);
-                }
-            }
-            for (int r = 0; r < 3; r++)
-                for (int j = 0; j < 4; j++) {
-                    float s = hsum(acc[r][j]);
-                    for (long k = K8; k < K; k++) s += load1(w, wtype, (n + r) * K + k) * x[(m + j) * K + k];
-                    y[(m + j) * N + n + r] = s + (bias ? bias[n + r] : 0.0f);
-                }
+                for (long k = 0; k < K8; k += 8) _mm256_storeu_ps(wf + r * K + k, load8(w, wtype, (n + r) * K + k));
+            tile_block(x, wf, 2, 0, w, wtype, bias, y, M4, N, n, K);
+        } else {
+            tile_block(x, w, wtype, n, w, wtype, bias, y, M4, N, n, K);
         }
     }
+    free(wf);
     /* leftovers: the last rows of W for all of x, and the last M % 4 rows of x */
     if (n < n_end) {
         for (int m = 0; m < M4; m += 4) gemm_rows_4(x + (long)m * K, w, wtype, bias, y + (long)m * N, N, n, n_end, K);
