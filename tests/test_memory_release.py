@@ -23,6 +23,16 @@ def make(qwen2_dir, cache_dir, **kw) -> LLMEngine:
     return LLMEngine(engine_settings(qwen2_dir, cache_dir, **base), show_progress=False)
 
 
+def test_pool_commits_memory_only_as_it_is_used(qwen2_dir, cache_dir):
+    make(qwen2_dir, cache_dir)  # compile kernels, import everything first
+    before = rss_bytes()
+    engine = make(qwen2_dir, cache_dir, num_gpu_blocks_override=32768)
+    pool = engine.kv.num_blocks * engine.memory.block_bytes
+    assert pool >= 256 * 2**20
+    assert rss_bytes() - before < 0.1 * pool  # reserved, not taken
+    assert engine.memory.resident_bytes() == 0
+
+
 def test_idle_engine_after_a_burst_shrinks_back(qwen2_dir, cache_dir):
     # free memory is always "below" a huge floor: every time the engine goes idle it releases at once
     engine = make(qwen2_dir, cache_dir, min_free_memory_mib=10**9, enable_prefix_caching=True)
