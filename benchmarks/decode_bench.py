@@ -28,7 +28,7 @@ def anna_run(llm: LLM, prompt: list[int], new_tokens: int, rid: str) -> tuple[fl
     engine.add_request(rid, prompt, SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True))
     stamps = []
     while engine.has_unfinished_requests():
-        for out in engine.step():
+        for _ in engine.step():
             stamps.append(time.perf_counter())
     ttft = stamps[0] - t0
     decode = (len(stamps) - 1) / (stamps[-1] - stamps[0]) if len(stamps) > 1 else float("nan")

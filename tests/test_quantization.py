@@ -89,7 +89,7 @@ def fake_quantized(model, quant: str, group: int = 32):
 
     fake = copy.deepcopy(model)
     with torch.no_grad():
-        for name, module in fake.named_modules():
+        for module in fake.modules():
             if isinstance(module, torch.nn.Linear):
                 w = module.weight
                 if quant == "int8":

@@ -7,7 +7,7 @@ import json
 import random
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Awaitable, Callable
 
 from anna.bench.client import BenchClient
 from anna.bench.stats import RequestRecord, group_throughput, load_summary
@@ -70,10 +70,10 @@ async def run_standard_suite(client: BenchClient, max_tokens: int, seed: int,
     info = await client.server_info()
     scenarios: list[dict] = []
 
-    async def scenario(name: str, make: Callable[[], "asyncio.Future"], extra: dict | None = None) -> list[RequestRecord]:
+    async def scenario(name: str, work: Awaitable, extra: dict | None = None) -> list[RequestRecord]:
         before = await client.prefix_counters()
         t0 = time.perf_counter()
-        records = await make()
+        records = list(await work)
         wall = time.perf_counter() - t0
         after = await client.prefix_counters()
         delta = None if before is None or after is None else {
@@ -94,22 +94,22 @@ async def run_standard_suite(client: BenchClient, max_tokens: int, seed: int,
 
     warm = await client.chat("warmup", user(WARMUP), 16, seed)
     progress("warmup")
-    for r in await scenario("explanations_sequential", lambda: sequential("explanations_sequential", EXPLANATIONS)):
+    for r in await scenario("explanations_sequential", sequential("explanations_sequential", EXPLANATIONS)):
         r.check = "pass" if r.ok and r.extra["output_text"].strip() else "fail"
-    for r in await scenario("coding_smoke", lambda: sequential("coding_smoke", [CODING])):
+    for r in await scenario("coding_smoke", sequential("coding_smoke", [CODING])):
         r.check = "pass" if r.ok and r.extra["output_text"].strip() else "fail"
     for c in (2, 4):
         prompts = [EXPLANATIONS[i % len(EXPLANATIONS)] for i in range(c)]
         name = f"explanations_concurrency_{c}"
-        recs = await scenario(name, lambda: asyncio.gather(*(client.chat(name, user(p), max_tokens, seed)
-                                                             for p in prompts)), {"concurrency": c})
+        recs = await scenario(name, asyncio.gather(*(client.chat(name, user(p), max_tokens, seed) for p in prompts)),
+                              {"concurrency": c})
         for r in recs:
             r.check = "pass" if r.ok and r.extra["output_text"].strip() else "fail"
     for target in LONG_CONTEXT_TARGETS:
         text, passcode, meta = await build_long_prompt(client, seed + target, target, info.get("max_model_len"))
         for label in ("cold", "repeat"):
             name = f"passcode_{target // 1000}k_{label}"
-            recs = await scenario(name, lambda: sequential(name, [text], ANSWER_TOKENS), {"long_context": meta})
+            recs = await scenario(name, sequential(name, [text], ANSWER_TOKENS), {"long_context": meta})
             for r in recs:
                 r.check = "pass" if passcode in r.extra["output_text"] and r.finish_reason == "stop" else "fail"
     del warm  # the warm-up request is excluded from every statistic

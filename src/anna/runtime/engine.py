@@ -72,6 +72,7 @@ class LLMEngine:
             raise ValueError(f"max_model_len: {self.max_model_len} exceeds the model's max_position_embeddings "
                              f"({cfg.max_position_embeddings})")
         log.info("Resolved settings:\n%s", s.table())
+        self.profiler = RuntimeProfiler(self.device) if s.profile_runtime else None
         model = load_model(self.model_dir, cfg, dtype=self.dtype, device=self.device,
                            max_positions=max(self.max_model_len, cfg.max_position_embeddings),
                            pipeline_workers=s.weight_load_pipeline_workers, policy=self._kernel_policy(),
@@ -79,9 +80,10 @@ class LLMEngine:
                            int4_cache=Int4CacheOptions(not s.disable_int4_cache, s.int4_cache_dir,
                                                        s.int4_cache_load_workers, s.cache_dir),
                            show_progress=show_progress)
-        plan = plan_kv_cache(cfg, self.activation_dtype, self.device, block_size=s.block_size, max_model_len=self.max_model_len,
-                             kv_cache_memory_gib=s.kv_cache_memory, num_blocks_override=s.num_gpu_blocks_override,
-                             memory_utilization=s.memory_utilization, max_num_seqs=s.max_num_seqs)
+        plan = plan_kv_cache(cfg, self.activation_dtype, self.device, block_size=s.block_size,
+                             max_model_len=self.max_model_len, kv_cache_memory_gib=s.kv_cache_memory,
+                             num_blocks_override=s.num_gpu_blocks_override, memory_utilization=s.memory_utilization,
+                             max_num_seqs=s.max_num_seqs)
         log.info(plan.describe(self.max_model_len))
         self.kv = KVCacheManager(plan.num_blocks, s.block_size, s.enable_prefix_caching)
         self.prompt_cache = self._prompt_cache()
@@ -92,9 +94,9 @@ class LLMEngine:
             event_driven_prefill_insert=s.scheduler_event_driven_prefill_insert), self.kv, self.prompt_cache)
         self.runner = ModelRunner(model, self.kv, self.device, self.activation_dtype, Sampler(s.seed, self.device))
         floor = s.memory_release_min_free_mib if s.memory_release_min_free_mib >= 0 else s.min_free_memory_mib
-        self.memory = MemoryReleaser(self.kv, self.runner.kv_caches, self.prompt_cache, self.device,
-                                     s.kv_release_chunk_blocks,
-                                     ReleasePolicy(s.memory_release_sweep_interval_s, floor, s.memory_release_max_gap_mib))
+        self.memory = MemoryReleaser(
+            self.kv, self.runner.kv_caches, self.prompt_cache, self.device, s.kv_release_chunk_blocks,
+            ReleasePolicy(s.memory_release_sweep_interval_s, floor, s.memory_release_max_gap_mib))
         self.eos_token_ids = frozenset(cfg.eos_token_ids or
                                        ([self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []))
         self.stats = EngineStats()
@@ -103,7 +105,6 @@ class LLMEngine:
 
     def _kernel_policy(self) -> KernelPolicy:
         s = self.settings
-        self.profiler = RuntimeProfiler(self.device) if s.profile_runtime else None
         cpu = build_cpu_kernels(s.cache_dir) if s.cpu_kernels and self.device.type == "cpu" else None
         if self.device.type == "cpu":
             log.info("CPU kernels: %s", f"Anna's (matmuls up to M={s.cpu_gemv_max_rows})" if cpu else "torch's")

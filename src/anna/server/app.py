@@ -371,7 +371,7 @@ def create_app(settings: ResolvedSettings, *, load_in_background: bool = True) -
         engine = state.core
         prompts = normalize_prompts(req.prompt)
         encoded = []
-        for i, p in enumerate(prompts):
+        for p in prompts:
             try:
                 text, ids = engine.encode_prompt(p)
             except ValueError as exc:
