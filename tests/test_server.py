@@ -145,6 +145,9 @@ def test_multi_system_and_content_parts_are_accepted(client):
             {"role": "assistant", "content": None, "tool_calls": [
                 {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}]},
             {"role": "tool", "tool_call_id": "c1", "content": "42"},
+            {"role": "assistant", "content": None, "tool_calls": [  # arguments as an object, not a string
+                {"id": "c2", "type": "function", "function": {"name": "f", "arguments": {"a": 2}}}]},
+            {"role": "tool", "tool_call_id": "c2", "content": "43"},
             {"role": "user", "content": None}]
     r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=2)
     assert r.choices[0].finish_reason in ("stop", "length")
@@ -182,6 +185,8 @@ def test_tools_round_trip_reaches_the_prompt(client, server):
      "messages[0].content"),
     ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}, "tool_choice"),
     ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 600}, "max_tokens"),
+    ({"messages": [{"role": "user", "content": "x"}], "seed": 2**70}, "seed"),
+    ({"messages": [{"role": "user", "content": 5}]}, "messages.0.content.str"),
 ])
 def test_chat_errors_are_400_with_openai_shape(server, body, param):
     for stream in (False, True):

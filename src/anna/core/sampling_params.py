@@ -81,8 +81,8 @@ class SamplingParams:
             bad("frequency_penalty", "must be in [-2, 2]")
         if self.repetition_penalty <= 0:
             bad("repetition_penalty", "must be > 0")
-        if self.seed is not None and not is_int(self.seed):
-            bad("seed", "must be an integer")
+        if self.seed is not None and (not is_int(self.seed) or not -(2**63) <= self.seed < 2**64):
+            bad("seed", "must be a 64-bit integer")
         if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
             bad("max_tokens", "must be an integer >= 1")
         if not is_int(self.min_tokens) or self.min_tokens < 0:

@@ -163,7 +163,7 @@ class LLMEngine:
             child = params
             if params.n > 1 or params.max_tokens != max_tokens:
                 child = SamplingParams(**{**_fields(params), "n": 1, "max_tokens": max_tokens,
-                                          "seed": None if params.seed is None else params.seed + i})
+                                          "seed": None if params.seed is None else (params.seed + i) % 2**64})
             req = Request(request_id if params.n == 1 else f"{request_id}#{i}", ids, child, prompt=text,
                           eos_token_ids=self.eos_token_ids, arrival_time=arrival_time or time.monotonic())
             detok = IncrementalDetokenizer(self.tokenizer, ids, child.skip_special_tokens)

@@ -1,0 +1,71 @@
+"""The server's chat output shaping, fed with engine outputs whose text contains tool calls and
+reasoning (a random-weight model never writes them): streamed deltas and the whole message."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from types import SimpleNamespace
+
+from anna.core.config import ServeSettings
+from anna.core.outputs import CompletionOutput, RequestOutput
+from anna.server.app import ChoiceParser, ServerState, chat_stream, finish_reason
+
+TEXT = ('<think>need weather</think>\n\nChecking.<tool_call>\n{"name": "get_weather", "arguments": '
+        '{"city": "Paris"}}\n</tool_call>')
+
+
+def outputs(text: str, step: int):
+    """Cumulative outputs as the engine yields them, `step` characters at a time."""
+    for end in range(step, len(text) + step, step):
+        end = min(end, len(text))
+        done = end == len(text)
+        yield RequestOutput("r", None, [1], [CompletionOutput(0, text[:end], list(range(end)),
+                                                              "stop" if done else None)], done)
+
+
+def state(reasoning: str = "think") -> ServerState:
+    settings = ServeSettings(reasoning_parser=reasoning, tool_call_parser="hermes").resolve(env={})
+    return ServerState(settings=settings, engine=SimpleNamespace(engine=None), model_name="m")
+
+
+def run_stream(step: int) -> list[dict]:
+    async def gen():
+        for out in outputs(TEXT, step):
+            yield out
+
+    async def collect():
+        return [chunk async for chunk in chat_stream(state(), gen(), {"id": "x", "created": 0, "model": "m"}, 1,
+                                                     5, True, True)]
+
+    chunks = asyncio.run(collect())
+    assert chunks[-1] == "data: [DONE]\n\n"
+    return [json.loads(c[6:]) for c in chunks[:-1]]
+
+
+def test_streamed_tool_calls_and_reasoning_at_every_chunk_size():
+    for step in (1, 2, 3, 7, 16, len(TEXT)):
+        events = run_stream(step)
+        deltas = [e["choices"][0]["delta"] for e in events if e["choices"]]
+        assert deltas[0] == {"role": "assistant", "content": ""}
+        assert "".join(d.get("reasoning_content", "") for d in deltas) == "need weather"
+        assert "".join(d.get("content", "") for d in deltas) == "Checking."
+        calls = [c for d in deltas for c in d.get("tool_calls", [])]
+        assert len(calls) == 1 and calls[0]["index"] == 0 and calls[0]["type"] == "function"
+        assert calls[0]["function"]["name"] == "get_weather"
+        assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Paris"}
+        finals = [e["choices"][0]["finish_reason"] for e in events if e["choices"] and e["choices"][0]["finish_reason"]]
+        assert finals == ["tool_calls"]
+        assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == len(TEXT)
+
+
+def test_whole_message_parsing_and_finish_reason():
+    parser = ChoiceParser(state(), parse_tools=True)
+    reasoning, content, calls = parser.feed(TEXT, final=True)
+    assert (reasoning, content, [c.name for c in calls]) == ("need weather", "Checking.", ["get_weather"])
+    out = CompletionOutput(0, TEXT, [1], "stop")
+    assert finish_reason(out, parser) == "tool_calls"
+    plain = ChoiceParser(state(reasoning="none"), parse_tools=False)  # no tools in the request: text stays text
+    assert plain.feed(TEXT, final=True) == ("", TEXT, [])
+    assert finish_reason(out, plain) == "stop"
+    assert finish_reason(CompletionOutput(0, "x", [1], "length"), parser) == "length"
