@@ -186,6 +186,7 @@ def test_tools_round_trip_reaches_the_prompt(client, server):
     ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}, "tool_choice"),
     ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 600}, "max_tokens"),
     ({"messages": [{"role": "user", "content": "x"}], "seed": 2**70}, "seed"),
+    ({"messages": [{"role": "user", "content": "x"}], "min_tokens": 600}, "min_tokens"),
     ({"messages": [{"role": "user", "content": 5}]}, "messages.0.content.str"),
 ])
 def test_chat_errors_are_400_with_openai_shape(server, body, param):

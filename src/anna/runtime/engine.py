@@ -148,6 +148,9 @@ class LLMEngine:
             raise ValueError(
                 f"max_tokens: the prompt has {num_prompt_tokens} tokens and max_tokens is {max_tokens}, "
                 f"{num_prompt_tokens + max_tokens} in all, more than max_model_len={self.max_model_len}")
+        if params.min_tokens > max_tokens:
+            raise ValueError(f"min_tokens: {params.min_tokens} is more than the {max_tokens} tokens this request "
+                             "may generate")
         return max_tokens
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,

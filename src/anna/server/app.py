@@ -462,8 +462,9 @@ async def chat_stream(state: ServerState, gen: AsyncIterator[RequestOutput], bas
                 if final:
                     done[i] = True
                     yield emit(i, {}, finish_reason(o, parsers[i]))
-    except EngineDeadError as exc:
-        yield sse(APIError(503, str(exc)).body())
+    except Exception as exc:  # the stream has started: report in-band, as OpenAI does
+        status = 503 if isinstance(exc, EngineDeadError) else 400 if isinstance(exc, ValueError) else 500
+        yield sse(APIError(status, str(exc)).body())
         return
     if include_usage and last is not None:
         completion = sum(len(o.token_ids) for o in last.outputs)
