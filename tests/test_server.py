@@ -293,3 +293,43 @@ def test_metrics_count_tokens_exactly(server, client):
 def test_debug_profile_is_404_unless_profiling(server):
     r = httpx.get(server + "/debug/profile", headers=auth())
     assert r.status_code == 404 and "--profile-runtime" in r.json()["error"]["message"]
+
+
+def test_random_parameter_combinations_never_500_and_leave_the_pool_free(server):
+    """Seeded fuzzing of request bodies: every answer is a 200 or a 4xx, and the engine survives."""
+    import random
+
+    rng = random.Random(1234)
+    choices = {
+        "temperature": [0, 0.7, 1.5, 2, -1, "x", None], "top_p": [0.1, 1, 0, 1.5, None],
+        "top_k": [-1, 0, 1, 50, 10**9, -5], "min_p": [0, 0.5, 1, 2], "presence_penalty": [-2, 0, 2, 3],
+        "frequency_penalty": [-2, 1, 2.5], "repetition_penalty": [0.5, 1, 2, 0, -1],
+        "seed": [0, -7, 2**63 - 1, 2**64, None, "s"], "stop": ["a", ["a", "b"], [], [""], None, 5],
+        "n": [1, 2, 4, 5, 0], "max_tokens": [1, 5, 16, 0, 10**6, None], "min_tokens": [0, 2, 20, -1],
+        "logprobs": [True, False], "top_logprobs": [0, 3, 20, 21], "logit_bias": [{"5": 10}, {"x": 1}, {"7": 200}],
+        "ignore_eos": [True, False], "stream": [True, False], "stop_token_ids": [[1, 2], [-1], None],
+    }
+    statuses = []
+    for i in range(60):
+        body = {"model": MODEL, "messages": [{"role": "user", "content": f"fuzz {i}"}]}
+        for key in rng.sample(sorted(choices), 6):
+            value = rng.choice(choices[key])
+            if value is not None:
+                body[key] = value
+        if body.get("max_tokens") in (None, 10**6) and body.get("min_tokens", 0) <= 20:
+            body["max_tokens"] = 8  # keep the run short; the huge value is covered by other requests
+        if body.get("stream"):
+            with httpx.stream("POST", server + "/v1/chat/completions", json=body, headers=auth(), timeout=60) as r:
+                text = "".join(r.iter_text())
+                statuses.append(r.status_code)
+                if r.status_code == 200:
+                    assert text.rstrip().endswith("data: [DONE]") and '"error"' not in text, text[-300:]
+        else:
+            r = httpx.post(server + "/v1/chat/completions", json=body, headers=auth(), timeout=60)
+            statuses.append(r.status_code)
+            if r.status_code == 400:
+                assert r.json()["error"]["type"] == "invalid_request_error"
+        assert statuses[-1] in (200, 400), (body, statuses[-1])
+    assert 200 in statuses and 400 in statuses
+    wait_idle(server)
+    assert httpx.get(server + "/health").status_code == 200
