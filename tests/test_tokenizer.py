@@ -49,3 +49,27 @@ def test_chat_template_raise_exception_is_an_error():
 def test_chatml_fallback():
     out = render_chat(None, [{"role": "user", "content": "hi"}], add_generation_prompt=True)
     assert out == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_flush_emits_an_incomplete_character_at_the_end(tok):
+    ids = tok.encode("ok 🦄🎉 fin", add_special_tokens=False)
+    cut = next(ids[:n] for n in range(1, len(ids)) if tok.decode(ids[:n]).endswith("\ufffd"))  # mid-character
+    detok = IncrementalDetokenizer(tok, [])
+    streamed = "".join(detok.add(t) for t in cut)
+    assert "\ufffd" not in streamed  # held back while more bytes might come
+    detok.flush()
+    assert detok.text == tok.decode(cut) and detok.text.endswith("\ufffd")
+
+
+def test_final_text_equals_decoding_all_output_ids(qwen2_dir, cache_dir):
+    from anna import LLM, SamplingParams
+
+    llm = LLM(str(qwen2_dir), dtype="float32", device="cpu", cache_dir=str(cache_dir), num_gpu_blocks_override=64,
+              max_model_len=512)
+    tok = llm.get_tokenizer()
+    bytes_only = [t for t in range(400) if tok.decode([t]) == "\ufffd"][:1]  # a lone UTF-8 byte token
+    assert bytes_only
+    out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0.5, seed=0, max_tokens=4, ignore_eos=True,
+                                                   logit_bias={bytes_only[0]: 100}), use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == bytes_only * 4
+    assert out.text == tok.decode(out.token_ids) != ""

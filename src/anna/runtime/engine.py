@@ -265,6 +265,9 @@ class LLMEngine:
         req = state.req
         if req.is_finished:
             return
+        if reason != "abort" and not isinstance(stop_reason, str):  # not cut at a stop string
+            state.detok.flush()
+            state.text = state.detok.text
         req.status = RequestStatus.FINISHED
         req.finish_reason, req.stop_reason = reason, stop_reason
         if reason == "abort":

@@ -94,3 +94,14 @@ class IncrementalDetokenizer:
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         self.text += delta
         return delta
+
+    def flush(self) -> str:
+        """At the end of the output: emit what was held back, even an incomplete character (as
+        decoding all the ids at once would), and return the delta."""
+        decode = self.tokenizer.decode
+        prefix = decode(self.ids[self.prefix_offset:self.read_offset], self.skip_special_tokens)
+        full = decode(self.ids[self.prefix_offset:], self.skip_special_tokens)
+        delta = full[len(prefix):] if full.startswith(prefix) else ""
+        self.prefix_offset = self.read_offset = len(self.ids)
+        self.text += delta
+        return delta
