@@ -246,7 +246,8 @@ INLINE float dot(const float *a, const float *b, long n) {
 /* Decode attention over a paged fp32 KV cache: one query token per sequence.
  * q, out: [seqs, heads, dim]; caches: [blocks, block_size, kv_heads, dim];
  * tables: [seqs, table_width] block ids; ctx: tokens of each sequence (the new one included);
- * window > 0 limits attention to the last `window` tokens. */
+ * window > 0 limits attention to the last `window` tokens. One job per (sequence, kv head): each
+ * cached key and value row is read once for all the query heads that share it (GQA). */
 void anna_paged_decode_attention(const float *q, const float *k_cache, const float *v_cache, const long *tables,
                                  long table_width, const long *ctx, long seqs, long heads, long kv_heads, long dim,
                                  long block_size, long window, float scale, float *out, int threads) {
@@ -256,42 +257,52 @@ void anna_paged_decode_attention(const float *q, const float *k_cache, const flo
     {
         long cap = 0;
         float *scores = 0;
+        float *mx = (float *)malloc(sizeof(float) * group), *inv = (float *)malloc(sizeof(float) * group);
         #pragma omp for schedule(dynamic, 1)
-        for (long job = 0; job < seqs * heads; job++) {
-            long sq = job / heads, h = job % heads, kvh = h / group;
-            long n = ctx[sq], start = (window > 0 && n > window) ? n - window : 0;
-            if (n - start > cap) {
+        for (long job = 0; job < seqs * kv_heads; job++) {
+            long sq = job / kv_heads, kvh = job % kv_heads;
+            long n = ctx[sq], start = (window > 0 && n > window) ? n - window : 0, len = n - start;
+            if (group * len > cap) {
                 free(scores);
-                cap = n - start;
+                cap = group * len;
                 scores = (float *)malloc(sizeof(float) * cap);
             }
-            const float *qv = q + (sq * heads + h) * dim;
+            const float *qv = q + (sq * heads + kvh * group) * dim;  /* the group's query heads, consecutive */
             const long *table = tables + sq * table_width;
-            float mx = -INFINITY;
+            for (long g = 0; g < group; g++) mx[g] = -INFINITY;
             for (long p = start; p < n; p++) {
                 const float *kv = k_cache + (table[p / block_size] * block_size + p % block_size) * kv_row + kvh * dim;
-                float sc = dot(qv, kv, dim) * scale;
-                scores[p - start] = sc;
-                if (sc > mx) mx = sc;
+                for (long g = 0; g < group; g++) {
+                    float sc = dot(qv + g * dim, kv, dim) * scale;
+                    scores[g * len + p - start] = sc;
+                    if (sc > mx[g]) mx[g] = sc;
+                }
             }
-            float sum = 0.0f;
-            for (long p = 0; p < n - start; p++) {
-                scores[p] = expf(scores[p] - mx);
-                sum += scores[p];
+            for (long g = 0; g < group; g++) {
+                float sum = 0.0f, *sg = scores + g * len;
+                for (long i = 0; i < len; i++) {
+                    sg[i] = expf(sg[i] - mx[g]);
+                    sum += sg[i];
+                }
+                inv[g] = 1.0f / sum;
             }
-            float inv = 1.0f / sum;
-            float *o = out + (sq * heads + h) * dim;
-            for (long i = 0; i < dim; i++) o[i] = 0.0f;
+            float *o = out + (sq * heads + kvh * group) * dim;
+            for (long i = 0; i < group * dim; i++) o[i] = 0.0f;
             for (long p = start; p < n; p++) {
                 const float *vv = v_cache + (table[p / block_size] * block_size + p % block_size) * kv_row + kvh * dim;
-                float wgt = scores[p - start] * inv;
-                long i = 0;
-                __m256 wv = _mm256_set1_ps(wgt);
-                for (; i + 8 <= dim; i += 8)
-                    _mm256_storeu_ps(o + i, _mm256_fmadd_ps(wv, _mm256_loadu_ps(vv + i), _mm256_loadu_ps(o + i)));
-                for (; i < dim; i++) o[i] += wgt * vv[i];
+                for (long g = 0; g < group; g++) {
+                    float wgt = scores[g * len + p - start] * inv[g];
+                    float *og = o + g * dim;
+                    long i = 0;
+                    __m256 wv = _mm256_set1_ps(wgt);
+                    for (; i + 8 <= dim; i += 8)
+                        _mm256_storeu_ps(og + i, _mm256_fmadd_ps(wv, _mm256_loadu_ps(vv + i), _mm256_loadu_ps(og + i)));
+                    for (; i < dim; i++) og[i] += wgt * vv[i];
+                }
             }
         }
         free(scores);
+        free(mx);
+        free(inv);
     }
 }
