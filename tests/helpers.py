@@ -53,3 +53,16 @@ def assert_logits_close(ours: torch.Tensor, ref: torch.Tensor, rel: float = 1e-4
     tol = rel * ref.abs().max().item()
     diff = (ours - ref).abs().max().item()
     assert diff <= tol, f"max abs logit diff {diff:.3e} > {tol:.3e}"
+
+
+def record_batches(engine: LLMEngine) -> list[list[int]]:
+    """Record each step's scheduled token counts (num_new_tokens per request) as the engine runs."""
+    seen: list[list[int]] = []
+    original = engine.runner.execute
+
+    def execute(batch):
+        seen.append(list(batch.num_new_tokens))
+        return original(batch)
+
+    engine.runner.execute = execute
+    return seen

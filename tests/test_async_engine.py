@@ -8,19 +8,13 @@ from anna.core.sampling_params import SamplingParams
 from anna.runtime.engine import LLMEngine
 from anna.server.async_engine import AsyncEngine
 from conftest import engine_settings
+from helpers import record_batches
 
 
 def test_idle_engine_coalesces_requests_that_arrive_together(qwen2_dir, cache_dir):
     engine = LLMEngine(engine_settings(qwen2_dir, cache_dir, skip_batch_wait_when_idle=False, batch_wait_ms=300),
                        show_progress=False)
-    first_batches = []
-    original = engine.runner.execute
-
-    def spy(batch):
-        first_batches.append(len(batch.requests))
-        return original(batch)
-
-    engine.runner.execute = spy
+    batches = record_batches(engine)
     async_engine = AsyncEngine(engine)
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
 
@@ -38,7 +32,7 @@ def test_idle_engine_coalesces_requests_that_arrive_together(qwen2_dir, cache_di
     finally:
         async_engine.shutdown()
     assert [len(o) for o in outs] == [3, 3]
-    assert first_batches[0] == 2  # both requests started in the same step
+    assert len(batches[0]) == 2  # both requests started in the same step
 
 
 def test_cancelling_a_consumer_aborts_its_request(qwen2_dir, cache_dir):

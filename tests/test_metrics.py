@@ -48,20 +48,15 @@ def test_warmup_runs_every_shape_and_leaves_no_trace(qwen2_dir, cache_dir, caplo
     from anna.runtime.engine import LLMEngine
     from anna.runtime.warmup import run_warmup
     from conftest import engine_settings
+    from helpers import record_batches
 
     engine = LLMEngine(engine_settings(qwen2_dir, cache_dir, max_num_batched_tokens=64, max_num_seqs=4,
                                        warmup_decode_steps=3), show_progress=False)
-    seen = []
-    original = engine.runner.execute
-
-    def spy(batch):
-        seen.append(sorted(batch.num_new_tokens))
-        return original(batch)
-
-    engine.runner.execute = spy
+    seen = record_batches(engine)
     with caplog.at_level(logging.INFO, logger="anna.runtime.warmup"):
         table = run_warmup(engine)
     assert any("Warmup shape table: prefill_lengths=[13, 64]" in r.message for r in caplog.records)
+    seen = [sorted(b) for b in seen]
     for n in table.prefill_lengths:
         assert [n] in seen
     for b in table.batch_sizes:

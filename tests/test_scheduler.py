@@ -10,6 +10,7 @@ import pytest
 from anna.core.sampling_params import SamplingParams
 from anna.runtime.engine import LLMEngine
 from conftest import engine_settings
+from helpers import record_batches
 
 
 def make_engine(path, cache_dir, **kw) -> LLMEngine:
@@ -74,17 +75,11 @@ def test_staggered_arrivals_equal_alone(qwen2_dir, cache_dir, reference):
 
 def test_tiny_token_budget_forces_chunked_prefill(qwen2_dir, cache_dir, reference):
     engine = make_engine(qwen2_dir, cache_dir, max_num_batched_tokens=8, long_prefill_token_threshold=8)
-    seen_chunks = []
-    original = engine.runner.execute
-
-    def spy(batch):
-        seen_chunks.extend(n for n in batch.num_new_tokens if n > 1)
-        assert batch.total_tokens <= 8
-        return original(batch)
-
-    engine.runner.execute = spy
+    batches = record_batches(engine)
     assert drain(engine, {0: workload()}) == reference
-    assert seen_chunks and max(seen_chunks) <= 8
+    assert all(sum(b) <= 8 for b in batches)
+    chunks = [n for b in batches for n in b if n > 1]
+    assert chunks and max(chunks) <= 8
     assert_pool_free(engine)
 
 
