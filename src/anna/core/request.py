@@ -38,8 +38,8 @@ class Request:
     stop_reason: int | str | None = None
     num_preemptions: int = 0
     register_prefix_blocks: bool = True  # False when the exact prompt cache is responsible for this prompt
-    # Per-token logprobs of the output: (chosen logprob, [(token id, logprob), ...] top alternatives)
-    output_logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
+    # Per output token: {token id: Logprob} for the top alternatives and the chosen token
+    output_logprobs: list[dict] = field(default_factory=list)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None

@@ -232,8 +232,11 @@ class LLMEngine:
         p = req.sampling_params
         req.append_output_token(token)
         self.stats.generation_tokens += 1
-        if logprobs is not None:
-            req.output_logprobs.append(logprobs)
+        if logprobs is not None:  # shaped once per token, not on every output
+            chosen, top = logprobs
+            entry = {tid: Logprob(lp, rank=r + 1) for r, (tid, lp) in enumerate(top)}
+            entry.setdefault(token, Logprob(chosen))
+            req.output_logprobs.append(entry)
         now = time.monotonic()
         if req.first_token_time is None:
             req.first_token_time = now
@@ -291,21 +294,11 @@ class LLMEngine:
                 text = text[:max(0, len(text) - (max(map(len, stops)) - 1))]
             outs.append(CompletionOutput(
                 index=i, text=text, token_ids=list(req.output_token_ids), finish_reason=req.finish_reason,
-                stop_reason=req.stop_reason, logprobs=self._logprobs(req)))
+                stop_reason=req.stop_reason,
+                logprobs=None if req.sampling_params.logprobs is None else list(req.output_logprobs)))
         first = group.seqs[0].req
         return RequestOutput(group.request_id, group.prompt, first.prompt_token_ids, outs, group.finished,
                              num_cached_tokens=max(0, first.num_cached_tokens))
-
-    def _logprobs(self, req: Request) -> list[dict[int, Logprob]] | None:
-        if req.sampling_params.logprobs is None:
-            return None
-        out = []
-        for token, (chosen, top) in zip(req.output_token_ids, req.output_logprobs):
-            entry = {tid: Logprob(lp, rank=r + 1) for r, (tid, lp) in enumerate(top)}
-            if token not in entry:
-                entry[token] = Logprob(chosen)
-            out.append(entry)
-        return out
 
 
 def _find_stop(text: str, stops: list[str], new_from: int) -> tuple[int, str] | None:
