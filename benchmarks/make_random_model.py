@@ -1,12 +1,17 @@
 """Write a random-weight model with a real model's shapes (speed does not depend on weight values).
 
     python benchmarks/make_random_model.py --shape qwen2.5-0.5b --out benchmarks/models/qwen2.5-0.5b
+
+The tokenizer is the demo model's (about 800 tokens) unless --tokenizer-vocab N asks for a
+byte-level BPE of N tokens trained on the Python standard library's sources, for benchmarks whose
+cost depends on the vocabulary (constrained decoding's token masks).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sysconfig
 from pathlib import Path
 
 import torch
@@ -55,16 +60,39 @@ def tensor_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def write_large_tokenizer(target: Path, vocab_size: int) -> tuple[int, int, int]:
+    """A real-size byte-level BPE vocabulary with the demo model's special tokens and chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from anna.weights.demo_model import CHATML, SPECIAL_TOKENS
+
+    files = sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py"))
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator((f.read_text(encoding="utf-8", errors="ignore") for f in files), trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
+                                         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(str(target / "tokenizer.json"))
+    (target / "tokenizer_config.json").write_text(json.dumps({
+        "chat_template": CHATML, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "bos_token": None}))
+    return tok.get_vocab_size(), tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen2.5-0.5b")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tokenizer-vocab", type=int, default=0, help="Train a BPE tokenizer of this many tokens.")
     args = ap.parse_args()
     cfg = dict(SHAPES[args.shape], torch_dtype=args.dtype, hidden_act="silu")
     args.out.mkdir(parents=True, exist_ok=True)
-    vocab, eos, endoftext = write_demo_tokenizer(args.out)
+    if args.tokenizer_vocab:
+        vocab, eos, endoftext = write_large_tokenizer(args.out, args.tokenizer_vocab)
+    else:
+        vocab, eos, endoftext = write_demo_tokenizer(args.out)
+    print(f"tokenizer: {vocab} tokens")
     cfg.update(eos_token_id=eos, bos_token_id=endoftext)
     (args.out / "config.json").write_text(json.dumps(cfg, indent=2))
     (args.out / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))

@@ -14,7 +14,7 @@ OUTPUTS = [
     ('Let me check.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
      "Let me check.", [("get_weather", {"city": "Paris"})]),
     ('<tool_call>{"name": "a", "arguments": {}}</tool_call>\n<tool_call>{"name": "b", "arguments": {"x": [1, 2]}}'
-     '</tool_call>', "\n", [("a", {}), ("b", {"x": [1, 2]})]),
+     '</tool_call>', "", [("a", {}), ("b", {"x": [1, 2]})]),  # whitespace between calls is not content
     ("No tools here, just < and <tool but no call.", "No tools here, just < and <tool but no call.", []),
     ('<tool_call>{"name": "f", "arguments": {"q": "<tool_call> inside"}}</tool_call>', "",
      [("f", {"q": "<tool_call> inside"})]),

@@ -127,6 +127,12 @@ class ServeSettings:
     warmup_batch_size: int | None = _setting(0, "An extra decode batch size for the warmup table; 0 = none.")
     warmup_decode_steps: int | None = _setting(8, "Decode steps run for each warmup shape.")
 
+    # Structured output
+    structured_output_cache_size: int | None = _setting(
+        256, "Compiled grammars (JSON schemas, regexes, choices, tool-call grammars) kept for reuse.", minimum=1)
+    structured_output_max_bytes: int | None = _setting(
+        65536, "Largest schema, regex or grammar a request may send, in bytes.", minimum=1)
+
     # Server
     host: str | None = _setting("127.0.0.1", "Address the HTTP server listens on.")
     port: int | None = _setting(8000, "Port the HTTP server listens on.")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from anna.core.sampling_params import SamplingParams
 
@@ -40,6 +41,7 @@ class Request:
     register_prefix_blocks: bool = True  # False when the exact prompt cache is responsible for this prompt
     # Per output token: {token id: Logprob} for the top alternatives and the chosen token
     output_logprobs: list[dict] = field(default_factory=list)
+    grammar: Any = None  # an llguidance matcher when the output is constrained; it tracks the output so far
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None

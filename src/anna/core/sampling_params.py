@@ -2,10 +2,62 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from typing import Any
 
 GREEDY_EPSILON = 1e-5  # temperatures below this mean greedy decoding
 MAX_LOGPROBS = 20
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Constrain the output to a language: exactly one of these fields is set (vLLM's names).
+
+    ``json``: a JSON schema (dict or JSON text); ``json_object``: any JSON object; ``regex``: a
+    regular expression the whole output matches; ``choice``: one of these strings; ``grammar``: a
+    Lark or GBNF grammar.
+    """
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        if self.json_object:
+            given.append("json_object")
+        if len(given) != 1:
+            raise ValueError("structured_outputs: set exactly one of json, json_object, regex, choice, grammar "
+                             f"(got {', '.join(given) or 'none'})")
+        if isinstance(self.json, str):
+            try:
+                self.json = json.loads(self.json)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"structured_outputs.json: not valid JSON ({exc})") from None
+        if self.json is not None and not isinstance(self.json, (dict, bool)):
+            raise ValueError("structured_outputs.json: a JSON schema must be an object")
+        if self.regex is not None and not isinstance(self.regex, str):
+            raise ValueError("structured_outputs.regex: must be a string")
+        if self.grammar is not None and not isinstance(self.grammar, str):
+            raise ValueError("structured_outputs.grammar: must be a string")
+        if self.choice is not None and (not isinstance(self.choice, (list, tuple)) or not self.choice
+                                        or not all(isinstance(c, str) and c for c in self.choice)):
+            raise ValueError("structured_outputs.choice: must be a non-empty list of non-empty strings")
+
+    def key(self) -> tuple[str, str]:
+        """A hashable identity, so that equal constraints share one compiled grammar."""
+        if self.json is not None:
+            return "json", json.dumps(self.json, sort_keys=True)
+        if self.json_object:
+            return "json_object", ""
+        if self.choice is not None:
+            return "choice", json.dumps(list(self.choice))
+        if self.regex is not None:
+            return "regex", self.regex
+        return "grammar", self.grammar or ""
 
 
 @dataclass
@@ -28,6 +80,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -97,3 +150,5 @@ class SamplingParams:
             bad("stop_token_ids", "must be a list of non-negative integers")
         if self.logit_bias and any(not -100 <= v <= 100 for v in self.logit_bias.values()):
             bad("logit_bias", "values must be in [-100, 100]")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            bad("structured_outputs", "must be a StructuredOutputsParams")

@@ -27,6 +27,7 @@ from anna.runtime.profiler import RuntimeProfiler
 from anna.runtime.prompt_cache import PromptCache
 from anna.runtime.sampler import Sampler
 from anna.runtime.scheduler import Scheduler, SchedulerConfig
+from anna.runtime.structured_output import StructuredOutputCompiler
 from anna.weights.demo_model import DEMO_NOTICE, ensure_demo_model
 from anna.weights.loader import Int4CacheOptions, load_model
 from anna.weights.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -99,6 +100,9 @@ class LLMEngine:
             ReleasePolicy(s.memory_release_sweep_interval_s, floor, s.memory_release_max_gap_mib))
         self.eos_token_ids = frozenset(cfg.eos_token_ids or
                                        ([self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []))
+        self.structured = StructuredOutputCompiler(
+            self.tokenizer.to_json(), cfg.vocab_size, sorted(self.eos_token_ids),
+            cache_size=s.structured_output_cache_size, max_spec_bytes=s.structured_output_max_bytes)
         self.stats = EngineStats()
         self.groups: dict[str, RequestGroup] = {}
         self._seqs: dict[str, tuple[RequestGroup, SequenceState]] = {}
@@ -161,6 +165,9 @@ class LLMEngine:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         text, ids = self.encode_prompt(prompt)
         max_tokens = self.check_fits(len(ids), params)
+        spec = params.structured_outputs
+        if spec is not None:
+            self.structured.compile(spec)  # invalid constraints fail here, before anything is allocated
         group = RequestGroup(request_id, text)
         for i in range(params.n):
             child = params
@@ -168,7 +175,8 @@ class LLMEngine:
                 child = SamplingParams(**{**_fields(params), "n": 1, "max_tokens": max_tokens,
                                           "seed": None if params.seed is None else (params.seed + i) % 2**64})
             req = Request(request_id if params.n == 1 else f"{request_id}#{i}", ids, child, prompt=text,
-                          eos_token_ids=self.eos_token_ids, arrival_time=arrival_time or time.monotonic())
+                          eos_token_ids=self.eos_token_ids, arrival_time=arrival_time or time.monotonic(),
+                          grammar=None if spec is None else self.structured.new_matcher(spec))
             detok = IncrementalDetokenizer(self.tokenizer, ids, child.skip_special_tokens)
             state = SequenceState(req, detok)
             group.seqs.append(state)
@@ -247,6 +255,10 @@ class LLMEngine:
         else:
             self.stats.inter_token.observe(now - req.last_token_time)
         req.last_token_time = now
+        if req.grammar is not None and not req.grammar.consume_token(token):
+            log.error("request %s: token %d rejected by its grammar (%s)", req.request_id, token,
+                      req.grammar.get_error())
+            return self._finish(state, "stop")
         may_stop = req.num_output_tokens >= p.min_tokens
         if may_stop and not p.ignore_eos and token in req.eos_token_ids:
             return self._finish(state, "stop")
@@ -261,6 +273,8 @@ class LLMEngine:
                 idx, stop = hit
                 state.text = state.detok.text[:idx + (len(stop) if p.include_stop_str_in_output else 0)]
                 return self._finish(state, "stop", stop_reason=stop)
+        if req.grammar is not None and req.grammar.is_stopped():  # the grammar is complete: nothing may follow
+            return self._finish(state, "stop")
         if req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.max_model_len:
             return self._finish(state, "length")
 

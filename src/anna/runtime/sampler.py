@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from anna.core.request import Request
+from anna.runtime.structured_output import apply_grammar_masks
 
 
 @dataclass
@@ -48,6 +49,9 @@ class Sampler:
                 and all(p.logprobs is None for p in params):
             return SampleResult(logits.argmax(dim=-1).tolist(), [None] * len(requests))
         logits = logits.clone()
+        constrained = [i for i, r in enumerate(requests) if r.grammar is not None]
+        if constrained:  # before penalties, so that nothing can lift a forbidden token back
+            apply_grammar_masks(logits, constrained, [requests[i].grammar for i in constrained])
         for i, req in enumerate(requests):
             if _needs_processing(req):
                 _apply_penalties_and_bias(logits[i], req)
@@ -88,7 +92,7 @@ class Sampler:
 
 def _needs_processing(req: Request) -> bool:
     p = req.sampling_params
-    return bool(p.logit_bias or p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
+    return bool(req.grammar is not None or p.logit_bias or p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
                 or req.num_output_tokens < p.min_tokens)
 
 

@@ -18,11 +18,12 @@ from pydantic import BaseModel, ValidationError
 
 from anna.core.config import ResolvedSettings
 from anna.core.outputs import CompletionOutput, RequestOutput
-from anna.core.sampling_params import SamplingParams
+from anna.core.sampling_params import SamplingParams, StructuredOutputsParams
 from anna.runtime.engine import LLMEngine
 from anna.runtime.warmup import run_warmup
 from anna.server.async_engine import AsyncEngine, EngineDeadError
 from anna.server.chat import render_chat_request
+from anna.server.constraints import compile_constraint, forced_tool_constraint, request_constraint
 from anna.server.metrics import EngineCollector, make_registry, render
 from anna.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                   SamplingFields, TokenizeRequest)
@@ -76,7 +77,8 @@ def check_model(state: ServerState, name: str | None) -> None:
 
 
 def build_sampling_params(state: ServerState, req: SamplingFields, num_prompt_tokens: int,
-                          max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+                          max_tokens: int | None, logprobs: int | None,
+                          structured: StructuredOutputsParams | None = None) -> SamplingParams:
     s = state.settings
     if req.n > s.max_n:
         raise APIError(400, f"n: at most {s.max_n} samples per request (got {req.n})", param="n")
@@ -94,7 +96,8 @@ def build_sampling_params(state: ServerState, req: SamplingFields, num_prompt_to
             seed=req.seed, stop=req.stop, stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
             max_tokens=max_tokens, min_tokens=req.min_tokens, logprobs=logprobs,
             include_stop_str_in_output=req.include_stop_str_in_output,
-            skip_special_tokens=req.skip_special_tokens, logit_bias=logit_bias or None)
+            skip_special_tokens=req.skip_special_tokens, logit_bias=logit_bias or None,
+            structured_outputs=structured)
         state.core.check_fits(num_prompt_tokens, params)
     except ValueError as exc:
         raise APIError(400, str(exc), param=str(exc).split(":", 1)[0]) from None
@@ -333,10 +336,17 @@ def create_app(settings: ResolvedSettings, *, load_in_background: bool = True) -
             raise APIError(400, "tool_choice: 'required' needs tools", param="tool_choice")
         if choice == "none":
             tools = None
+        if isinstance(choice, dict) or choice == "required":
+            forced = tools if choice == "required" else [t for t in tools if t["function"]["name"] == name]
+            spec, spec_field = forced_tool_constraint(forced, req.parallel_tool_calls and choice == "required",
+                                                      state.settings.tool_call_parser)
+        else:
+            spec, spec_field = request_constraint(req)
         prompt = render_chat_request(engine.tokenizer, req, tools)
         ids = engine.tokenizer.encode(prompt, add_special_tokens=False)
         top = (req.top_logprobs or 0) if req.logprobs else None
-        params = build_sampling_params(state, req, len(ids), req.max_completion_tokens or req.max_tokens, top)
+        params = build_sampling_params(state, req, len(ids), req.max_completion_tokens or req.max_tokens, top, spec)
+        await compile_constraint(engine, spec, spec_field)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         parse_tools = tools is not None
         gen = state.engine.generate(rid, ids, params)
@@ -378,7 +388,9 @@ def create_app(settings: ResolvedSettings, *, load_in_background: bool = True) -
                 raise APIError(400, str(exc), param="prompt") from None
             encoded.append((text, ids))
         top = req.logprobs
-        all_params = [build_sampling_params(state, req, len(ids), req.max_tokens, top) for _, ids in encoded]
+        spec, spec_field = request_constraint(req)
+        all_params = [build_sampling_params(state, req, len(ids), req.max_tokens, top, spec) for _, ids in encoded]
+        await compile_constraint(engine, spec, spec_field)
         rid = f"cmpl-{uuid.uuid4().hex}"
         gens = [state.engine.generate(f"{rid}-{i}", ids, p) for i, ((_, ids), p) in enumerate(zip(encoded, all_params))]
         base = {"id": rid, "created": int(time.time()), "model": state.model_name}

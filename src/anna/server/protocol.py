@@ -55,6 +55,12 @@ class SamplingFields(_Lenient):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     user: str | None = None
+    # Structured output: OpenAI's response_format, and vLLM's extra fields
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class FunctionDef(_Lenient):
@@ -99,7 +105,6 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
 
 
 class CompletionRequest(SamplingFields):

@@ -10,6 +10,9 @@ from __future__ import annotations
 import json
 import uuid
 from dataclasses import dataclass, field
+from typing import Any
+
+from anna.runtime.structured_output import JSON_OPTIONS
 
 
 @dataclass
@@ -41,6 +44,21 @@ class HermesToolParser:
         self.in_call = False
         self.calls: list[ParsedToolCall] = []
 
+    @classmethod
+    def grammar(cls, tools: list[dict[str, Any]], parallel: bool) -> str:
+        """A Lark grammar whose sentences are calls, in this format, to these tools (OpenAI tool
+        definitions) with arguments that follow each tool's parameters schema: what
+        ``tool_choice: "required"`` or a named function enforces. One call, or several when parallel."""
+        calls = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
+                  "properties": {"name": {"const": t["function"]["name"]},
+                                 "arguments": t["function"].get("parameters") or {"type": "object"}}}
+                 for t in tools]
+        schema = {"anyOf": calls, "x-guidance": JSON_OPTIONS}
+        start = 'start: call ("\\n" call)*' if parallel else "start: call"
+        return (f"{start}\n"
+                f'call: {json.dumps(cls.OPEN + chr(10))} body {json.dumps(chr(10) + cls.CLOSE)}\n'
+                f"body: %json {json.dumps(schema)}\n")
+
     def _parse(self, body: str) -> ParsedToolCall | None:
         try:
             obj = json.loads(body.strip())
@@ -57,13 +75,17 @@ class HermesToolParser:
         content, calls = [], []
         while True:
             if not self.in_call:
+                after_call = bool(self.calls or calls)  # whitespace between calls is not content
                 idx = self.buffer.find(self.OPEN)
                 if idx == -1:
                     keep = _longest_partial_suffix(self.buffer, self.OPEN)
+                    if after_call and not self.buffer[:len(self.buffer) - keep].strip():
+                        keep = len(self.buffer)
                     content.append(self.buffer[:len(self.buffer) - keep])
                     self.buffer = self.buffer[len(self.buffer) - keep:]
                     break
-                content.append(self.buffer[:idx])
+                if not (after_call and not self.buffer[:idx].strip()):
+                    content.append(self.buffer[:idx])
                 self.buffer = self.buffer[idx + len(self.OPEN):]
                 self.in_call = True
             else:
@@ -91,7 +113,7 @@ class HermesToolParser:
                 self.calls.append(call)
                 return "", [call]
             return self.OPEN + rest, []
-        return rest, []
+        return ("" if self.calls and not rest.strip() else rest), []
 
 
 TOOL_PARSERS = {"hermes": HermesToolParser}

@@ -1,0 +1,70 @@
+"""What an HTTP request asks to constrain its output to, as one StructuredOutputsParams.
+
+Sources, in order: a forced tool call (``tool_choice: "required"`` or a named function), OpenAI's
+``response_format``, vLLM's ``guided_json`` / ``guided_regex`` / ``guided_choice`` /
+``guided_grammar``. A request may use one of them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from anna.core.sampling_params import StructuredOutputsParams
+from anna.runtime.engine import LLMEngine
+from anna.server.protocol import APIError, SamplingFields
+from anna.server.tool_parsers import TOOL_PARSERS
+
+GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                 "guided_grammar": "grammar"}
+
+
+def forced_tool_constraint(tools: list[dict[str, Any]], parallel: bool,
+                           parser: str) -> tuple[StructuredOutputsParams, str]:
+    if parser == "none":
+        raise APIError(400, "tool_choice: forcing a tool call needs a tool call parser (--tool-call-parser)",
+                       param="tool_choice")
+    return StructuredOutputsParams(grammar=TOOL_PARSERS[parser].grammar(tools, parallel)), "tool_choice"
+
+
+def request_constraint(req: SamplingFields) -> tuple[StructuredOutputsParams | None, str]:
+    """The constraint in ``response_format`` or the guided_* fields, and the field to blame for errors."""
+    given = [name for name in GUIDED_FIELDS if getattr(req, name) is not None]
+    fmt = req.response_format
+    fmt_type = None
+    if fmt is not None:
+        fmt_type = fmt.get("type")
+        if fmt_type not in ("text", "json_object", "json_schema"):
+            raise APIError(400, f"response_format: type must be text, json_object or json_schema (got {fmt_type!r})",
+                           param="response_format")
+        if fmt_type != "text":
+            given.insert(0, "response_format")
+    if len(given) > 1:
+        raise APIError(400, f"{given[1]}: only one of response_format and guided_* may be given "
+                       f"(got {', '.join(given)})", param=given[1])
+    if not given:
+        return None, ""
+    field = given[0]
+    try:
+        if field != "response_format":
+            return StructuredOutputsParams(**{GUIDED_FIELDS[field]: getattr(req, field)}), field
+        if fmt_type == "json_object":
+            return StructuredOutputsParams(json_object=True), field
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict) or "schema" not in spec:
+            raise APIError(400, "response_format: json_schema needs {'name': ..., 'schema': {...}}",
+                           param="response_format")
+        return StructuredOutputsParams(json=spec["schema"]), field
+    except ValueError as exc:
+        raise APIError(400, f"{field}: {str(exc).split(': ', 1)[-1]}", param=field) from None
+
+
+async def compile_constraint(engine: LLMEngine, spec: StructuredOutputsParams | None, field: str) -> None:
+    """Compile (or find in the cache) off the event loop and off the engine thread, so that an
+    invalid constraint is a 400 before any response starts and a slow one stalls nobody else."""
+    if spec is None:
+        return
+    try:
+        await asyncio.to_thread(engine.structured.compile, spec, field)
+    except ValueError as exc:
+        raise APIError(400, str(exc), param=field) from None
