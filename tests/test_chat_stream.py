@@ -50,10 +50,12 @@ def test_streamed_tool_calls_and_reasoning_at_every_chunk_size():
         assert deltas[0] == {"role": "assistant", "content": ""}
         assert "".join(d.get("reasoning_content", "") for d in deltas) == "need weather"
         assert "".join(d.get("content", "") for d in deltas) == "Checking."
-        calls = [c for d in deltas for c in d.get("tool_calls", [])]
-        assert len(calls) == 1 and calls[0]["index"] == 0 and calls[0]["type"] == "function"
+        calls = [c for d in deltas for c in d.get("tool_calls", [])]  # the first has id, type and name
+        assert calls[0]["index"] == 0 and calls[0]["type"] == "function" and calls[0]["id"].startswith("call_")
         assert calls[0]["function"]["name"] == "get_weather"
-        assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Paris"}
+        assert all(c["index"] == 0 and "id" not in c for c in calls[1:])
+        arguments = "".join(c["function"]["arguments"] for c in calls)
+        assert json.loads(arguments) == {"city": "Paris"}
         finals = [e["choices"][0]["finish_reason"] for e in events if e["choices"] and e["choices"][0]["finish_reason"]]
         assert finals == ["tool_calls"]
         assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == len(TEXT)
@@ -61,8 +63,9 @@ def test_streamed_tool_calls_and_reasoning_at_every_chunk_size():
 
 def test_whole_message_parsing_and_finish_reason():
     parser = ChoiceParser(state(), parse_tools=True)
-    reasoning, content, calls = parser.feed(TEXT, final=True)
-    assert (reasoning, content, [c.name for c in calls]) == ("need weather", "Checking.", ["get_weather"])
+    reasoning, content, deltas = parser.feed(TEXT, final=True)
+    assert (reasoning, content, deltas) == ("need weather", "Checking.", [])  # deltas are for streams
+    assert [c.name for c in parser.calls] == ["get_weather"]
     out = CompletionOutput(0, TEXT, [1], "stop")
     assert finish_reason(out, parser) == "tool_calls"
     plain = ChoiceParser(state(reasoning="none"), parse_tools=False)  # no tools in the request: text stays text

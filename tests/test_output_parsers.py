@@ -7,7 +7,7 @@ import json
 import pytest
 
 from anna.server.reasoning import ThinkReasoningParser
-from anna.server.tool_parsers import HermesToolParser, parse_tool_calls
+from anna.server.tool_parsers import HermesToolParser, ToolCallStreamer, parse_tool_calls
 
 OUTPUTS = [
     # (model output, expected content, expected calls [(name, arguments dict)])
@@ -54,6 +54,45 @@ def test_tool_calls_split_at_every_position(text, content, expected):
     parser = HermesToolParser()
     streamed = "".join(parser.feed(ch)[0] for ch in text) + parser.finish()[0]
     assert streamed == content
+
+
+def stream_calls(pieces: list[str]) -> tuple[str, dict[int, dict], int]:
+    """Feed pieces to a streamer as the server does; rebuild the calls the way an OpenAI client
+    does (by index: id, name, then arguments appended). Returns content, calls, argument deltas."""
+    streamer = ToolCallStreamer(HermesToolParser())
+    content, calls, arg_deltas = "", {}, 0
+    for k, piece in enumerate(pieces):
+        c, deltas = streamer.feed(piece, final=k == len(pieces) - 1)
+        content += c
+        for d in deltas:
+            call = calls.setdefault(d["index"], {"id": None, "name": None, "arguments": ""})
+            if "id" in d:
+                assert call["id"] is None, "a call's id is sent once"
+                call["id"], call["name"] = d["id"], d["function"]["name"]
+            call["arguments"] += d["function"].get("arguments", "")
+            arg_deltas += bool(d["function"].get("arguments"))
+    return content, calls, arg_deltas
+
+
+@pytest.mark.parametrize("text, content, expected", OUTPUTS)
+def test_streamed_tool_calls_add_up_to_the_calls(text, content, expected):
+    for pieces in [[text], list(text) + [""]] + [[text[:cut], text[cut:]] for cut in range(len(text) + 1)]:
+        got_content, calls, _ = stream_calls(pieces)
+        assert got_content == content
+        assert [(c["name"], json.loads(c["arguments"])) for _, c in sorted(calls.items())] == expected
+        assert all(c["id"].startswith("call_") for c in calls.values())
+
+
+def test_streamed_arguments_arrive_piece_by_piece():
+    text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n</tool_call>'
+    content, calls, arg_deltas = stream_calls(list(text) + [""])
+    assert content == "" and calls[0]["name"] == "get_weather"
+    assert calls[0]["arguments"] == '{"city": "Paris", "days": 3}'
+    assert arg_deltas > 10
+    # the name is out before the arguments are complete
+    streamer = ToolCallStreamer(HermesToolParser())
+    _, deltas = streamer.feed(text[:text.index("Paris")])
+    assert deltas[0]["function"] == {"name": "get_weather", "arguments": ""}
 
 
 REASONING = [

@@ -114,9 +114,12 @@ def test_named_tool_choice_forces_that_function(client):
 def test_forced_tool_call_streams_as_tool_calls(client):
     chunks = list(chat(client, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_weather"}},
                        seed=5, stream=True))
-    calls = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
-    assert len(calls) == 1 and calls[0].index == 0 and calls[0].function.name == "get_weather"
-    check_call(calls[0])
+    deltas = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    assert deltas[0].index == 0 and deltas[0].id and deltas[0].function.name == "get_weather"
+    assert all(d.index == 0 and d.id is None for d in deltas[1:])
+    assert len(deltas) > 3  # the arguments arrive as they are generated, not in one piece
+    arguments = "".join(d.function.arguments or "" for d in deltas)
+    jsonschema.validate(json.loads(arguments), SCHEMA)
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
     assert not "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
 

@@ -28,7 +28,7 @@ from anna.server.metrics import EngineCollector, make_registry, render
 from anna.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                   SamplingFields, TokenizeRequest)
 from anna.server.reasoning import REASONING_PARSERS
-from anna.server.tool_parsers import TOOL_PARSERS, ParsedToolCall
+from anna.server.tool_parsers import TOOL_PARSERS, ParsedToolCall, ToolCallStreamer
 
 log = logging.getLogger(__name__)
 
@@ -184,27 +184,33 @@ def completion_logprobs(engine: LLMEngine, out: CompletionOutput, start: int, en
 class ChoiceParser:
     """Splits one choice's text into reasoning, content and tool calls, whole or incrementally."""
 
-    def __init__(self, state: ServerState, parse_tools: bool) -> None:
+    def __init__(self, state: ServerState, parse_tools: bool, stream: bool = False) -> None:
         s = state.settings
         self.reasoning = REASONING_PARSERS[s.reasoning_parser]() if s.reasoning_parser != "none" else None
         self.tools = TOOL_PARSERS[s.tool_call_parser]() if parse_tools and s.tool_call_parser != "none" else None
-        self.calls: list[ParsedToolCall] = []
+        self.streamer = ToolCallStreamer(self.tools) if stream and self.tools is not None else None
 
-    def feed(self, delta: str, final: bool) -> tuple[str, str, list[ParsedToolCall]]:
+    @property
+    def calls(self) -> list[ParsedToolCall]:
+        """The complete tool calls so far."""
+        return self.tools.calls if self.tools is not None else []
+
+    def feed(self, delta: str, final: bool) -> tuple[str, str, list[dict[str, Any]]]:
+        """(reasoning, content, tool call stream deltas); the deltas are empty unless streaming."""
         reasoning, content = "", delta
         if self.reasoning is not None:
             reasoning, content = self.reasoning.feed(delta)
             if final:
                 r2, c2 = self.reasoning.finish()
                 reasoning, content = reasoning + r2, content + c2
-        calls: list[ParsedToolCall] = []
-        if self.tools is not None:
-            content, calls = self.tools.feed(content)
+        deltas: list[dict[str, Any]] = []
+        if self.streamer is not None:
+            content, deltas = self.streamer.feed(content, final)
+        elif self.tools is not None:
+            content, _ = self.tools.feed(content)
             if final:
-                c2, more = self.tools.finish()
-                content, calls = content + c2, calls + more
-        self.calls.extend(calls)
-        return reasoning, content, calls
+                content += self.tools.finish()[0]
+        return reasoning, content, deltas
 
 
 def finish_reason(out: CompletionOutput, parser: ChoiceParser | None) -> str | None:
@@ -440,10 +446,9 @@ async def chat_stream(state: ServerState, gen: AsyncIterator[RequestOutput], bas
         return sse({**chunk, "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
                                           "finish_reason": finish}]})
 
-    parsers = [ChoiceParser(state, parse_tools) for _ in range(n)]
+    parsers = [ChoiceParser(state, parse_tools, stream=True) for _ in range(n)]
     sent_text = [0] * n
     sent_tokens = [0] * n
-    tool_index = [0] * n
     done = [False] * n
     for i in range(n):
         yield emit(i, {"role": "assistant", "content": ""})
@@ -467,8 +472,7 @@ async def chat_stream(state: ServerState, gen: AsyncIterator[RequestOutput], bas
                 if content:
                     delta["content"] = content
                 if calls:
-                    delta["tool_calls"] = [c.to_openai(tool_index[i] + k) for k, c in enumerate(calls)]
-                    tool_index[i] += len(calls)
+                    delta["tool_calls"] = calls
                 if delta or logprobs:
                     yield emit(i, delta, logprobs=logprobs)
                 if final:

@@ -8,6 +8,7 @@ While streaming, text that could be the start of an opening tag is held back unt
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -59,6 +60,10 @@ class HermesToolParser:
                 f'call: {json.dumps(cls.OPEN + chr(10))} body {json.dumps(chr(10) + cls.CLOSE)}\n'
                 f"body: %json {json.dumps(schema)}\n")
 
+    # The usual layout of a call body, up to where its arguments begin: what lets a stream send the
+    # name first and then the arguments as they are written.
+    HEADER = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*')
+
     def _parse(self, body: str) -> ParsedToolCall | None:
         try:
             obj = json.loads(body.strip())
@@ -67,7 +72,41 @@ class HermesToolParser:
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
             return None
         args = obj.get("arguments", obj.get("parameters", {}))
-        return ParsedToolCall(obj["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False))
+        if isinstance(args, str):
+            return ParsedToolCall(obj["name"], args)
+        raw = self._raw_arguments(body)  # the model's own text, so that a stream's pieces add up to it
+        return ParsedToolCall(obj["name"], raw if raw is not None else json.dumps(args, ensure_ascii=False))
+
+    @classmethod
+    def _raw_arguments(cls, body: str) -> str | None:
+        m = cls.HEADER.match(body)
+        rest = body[m.end():].rstrip() if m else ""
+        if not rest.endswith("}"):
+            return None
+        raw = rest[:-1].rstrip()
+        try:
+            json.loads(raw)
+        except json.JSONDecodeError:  # more keys after "arguments": not the usual layout
+            return None
+        return raw
+
+    def open_call(self) -> tuple[str, str] | None:
+        """While inside a call: its name and the arguments text so far that is surely part of them
+        (the end of the buffer may yet turn out to be the body's closing brace or the close tag)."""
+        if not self.in_call:
+            return None
+        m = self.HEADER.match(self.buffer)
+        if m is None:
+            return None
+        text = self.buffer[m.end():].rstrip()
+        text = text[:len(text) - _longest_partial_suffix(text, self.CLOSE)].rstrip()
+        if text.endswith("}"):
+            text = text[:-1].rstrip()
+        try:
+            name = json.loads(f'"{m.group(1)}"')
+        except json.JSONDecodeError:
+            return None
+        return name, text
 
     def feed(self, delta: str) -> tuple[str, list[ParsedToolCall]]:
         """Consume new output text; return (content to emit now, tool calls completed now)."""
@@ -117,6 +156,48 @@ class HermesToolParser:
 
 
 TOOL_PARSERS = {"hermes": HermesToolParser}
+
+
+class ToolCallStreamer:
+    """A parser's progress as OpenAI stream deltas: each call's id and name as soon as they are
+    known, then its arguments piece by piece. A call in another layout is sent whole when it ends."""
+
+    def __init__(self, parser: HermesToolParser) -> None:
+        self.parser = parser
+        self.count = 0  # calls given an index so far
+        self.open_index: int | None = None  # the call whose arguments are streaming
+        self.sent = ""  # its arguments sent so far
+
+    def feed(self, text: str, final: bool = False) -> tuple[str, list[dict[str, Any]]]:
+        content, done = self.parser.feed(text)
+        if final:
+            rest, more = self.parser.finish()
+            content, done = content + rest, done + more
+        deltas: list[dict[str, Any]] = []
+        for call in done:
+            if self.open_index is not None:
+                if call.arguments.startswith(self.sent) and len(call.arguments) > len(self.sent):
+                    deltas.append({"index": self.open_index, "function": {"arguments": call.arguments[len(self.sent):]}})
+                self.open_index, self.sent = None, ""
+            else:
+                deltas.append(call.to_openai(self._next_index()))
+        current = None if final else self.parser.open_call()
+        if current is None:
+            self.open_index, self.sent = None, ""  # also drops a started call that turned out invalid
+            return content, deltas
+        name, arguments = current
+        if self.open_index is None:
+            self.open_index = self._next_index()
+            deltas.append({"index": self.open_index, "id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                           "function": {"name": name, "arguments": ""}})
+        if len(arguments) > len(self.sent) and arguments.startswith(self.sent):
+            deltas.append({"index": self.open_index, "function": {"arguments": arguments[len(self.sent):]}})
+            self.sent = arguments
+        return content, deltas
+
+    def _next_index(self) -> int:
+        self.count += 1
+        return self.count - 1
 
 
 def parse_tool_calls(text: str, parser: str = "hermes") -> tuple[str, list[ParsedToolCall]]:
