@@ -84,3 +84,40 @@ def test_tuning_doc_lists_every_setting():
     doc = DOCS.read_text()
     for f in settings_fields():
         assert env_name(f) in doc, f"{f.name} is missing from docs/tuning.md"
+
+
+def test_torchinductor_cache_dir_rule():
+    """A TORCHINDUCTOR_CACHE_DIR the user set is used; the temporary one torch injects on import is not."""
+    from anna.core.config import torch_default_inductor_dir
+
+    default = ServeSettings().resolve(env={}).torchinductor_cache_dir
+    injected = ServeSettings().resolve(env={"TORCHINDUCTOR_CACHE_DIR": torch_default_inductor_dir()})
+    assert injected.torchinductor_cache_dir == default and injected.sources["torchinductor_cache_dir"] == "default"
+    user = ServeSettings().resolve(env={"TORCHINDUCTOR_CACHE_DIR": "/data/inductor"})
+    assert user.torchinductor_cache_dir == "/data/inductor"
+    assert user.sources["torchinductor_cache_dir"] == "env TORCHINDUCTOR_CACHE_DIR"
+    anna_env = ServeSettings().resolve(env={"TORCHINDUCTOR_CACHE_DIR": "/data/inductor",
+                                            "ANNA_TORCHINDUCTOR_CACHE_DIR": "/anna/inductor"})
+    assert anna_env.torchinductor_cache_dir == "/anna/inductor"
+    cli = ServeSettings(torchinductor_cache_dir="/cli").resolve(env={"TORCHINDUCTOR_CACHE_DIR": "/data/inductor"})
+    assert cli.torchinductor_cache_dir == "/cli"
+
+
+def test_torch_really_injects_the_value_treated_as_unset(tmp_path):
+    """The rule above rests on what torch does at import; check it in a clean process."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import os, torch._inductor.config, torch._inductor.codecache\n"
+            "from torch._inductor.runtime.cache_dir_utils import cache_dir\n"
+            "cache_dir()\n"
+            "from anna.core.config import ServeSettings\n"
+            "r = ServeSettings().resolve()\n"
+            "print(os.environ.get('TORCHINDUCTOR_CACHE_DIR', ''))\n"
+            "print(r.sources['torchinductor_cache_dir'])\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("TORCHINDUCTOR_CACHE_DIR", "ANNA_TORCHINDUCTOR_CACHE_DIR")}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    injected, source = out.stdout.split()
+    assert injected  # torch filled the variable in ...
+    assert source == "default"  # ... and Anna did not take it for the user's

@@ -52,3 +52,15 @@ def test_cuda_batched_generation_matches_single(hf_models, cache_dir):
             if out.finished:
                 together[out.request_id] = out.outputs[0].token_ids
     assert [together[f"b{i}"] for i in range(4)] == alone
+
+
+def test_cuda_profile_run_measures_an_activation_peak(hf_models):
+    from anna.model.config import load_model_config
+    from anna.runtime.memory import profile_activation_peak
+
+    _, path = hf_models["qwen2"]
+    engine_model = LLMEngine(engine_settings(path, path.parent, device="cuda"), show_progress=False).runner.model
+    cfg = load_model_config(str(path))
+    small = profile_activation_peak(engine_model, cfg, 16, 1, 16, torch.device("cuda"), torch.float32)
+    large = profile_activation_peak(engine_model, cfg, 256, 64, 16, torch.device("cuda"), torch.float32)
+    assert 0 < small < large

@@ -132,3 +132,19 @@ def test_demo_model_is_created_and_runs(tmp_path):
     again = LLM(cache_dir=str(tmp_path), device="cpu")  # second start reuses the files
     out2 = again.generate("Hello", SamplingParams(max_tokens=5, temperature=0, ignore_eos=True), use_tqdm=False)
     assert out2[0].outputs[0].token_ids == out[0].outputs[0].token_ids
+
+
+def test_memory_plan_logs_each_step(qwen2_dir, cache_dir, caplog):
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="anna.runtime.engine"):
+        engine = LLMEngine(engine_settings(qwen2_dir, cache_dir, kv_cache_memory=0.001, num_gpu_blocks_override=0,
+                                           log_level="info", max_model_len=256), show_progress=False)
+    plan = next(r.message for r in caplog.records if r.message.startswith("Memory plan:"))
+    weights = sum(p.numel() * p.element_size() for p in engine.runner.model.parameters()) / 2**20
+    assert f"weights: {weights:.1f} MiB on cpu" in plan
+    assert "profile run: skipped on cpu" in plan and "graphs/compile workspace: 0 MiB" in plan
+    blocks = int(0.001 * 2**30) // (16 * 2 * 2 * 2 * 16 * 4)  # tokens x K,V x layers x kv heads x head_dim x fp32
+    assert engine.kv.num_blocks == blocks
+    assert f"KV cache: {blocks} blocks x 16 tokens = {blocks * 16} tokens" in plan
+    assert f"max concurrency at max_model_len=256: {blocks * 16 / 256:.2f}" in plan

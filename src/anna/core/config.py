@@ -127,6 +127,17 @@ class ServeSettings:
     warmup_batch_size: int | None = _setting(0, "An extra decode batch size for the warmup table; 0 = none.")
     warmup_decode_steps: int | None = _setting(8, "Decode steps run for each warmup shape.")
 
+    # Compilation
+    compile_mode: str | None = _setting(
+        "auto", "torch.compile the model's forward pass; auto = what measured fastest on this device type "
+                "(none on CPU, where Anna's fused decode kernels already skip torch's per-op overhead).",
+        choices=("none", "auto", "default", "reduce-overhead", "max-autotune"))
+    compile_fullgraph: bool | None = _setting(
+        False, "Compile the forward pass as one graph (fails instead of splitting at code torch cannot trace).")
+    torchinductor_cache_dir: str | None = _setting(
+        "~/.anna/cache/torchinductor", "Persistent torch.compile cache, so that a restart reuses compiled "
+        "kernels. A TORCHINDUCTOR_CACHE_DIR set by the user is used when this is not set.")
+
     # Structured output
     structured_output_cache_size: int | None = _setting(
         256, "Compiled grammars (JSON schemas, regexes, choices, tool-call grammars) kept for reuse.", minimum=1)
@@ -242,7 +253,20 @@ def resolve_settings(settings: ServeSettings, env: Mapping[str, str], explicit_s
     profile = SCHEDULER_PROFILES[values["scheduler_profile"]]
     for f in deferred:
         values[f.name], sources[f.name] = profile[f.name], "profile"
+    user_inductor_dir = env.get("TORCHINDUCTOR_CACHE_DIR", "")
+    if sources["torchinductor_cache_dir"] == "default" and user_inductor_dir \
+            and user_inductor_dir != torch_default_inductor_dir():
+        values["torchinductor_cache_dir"], sources["torchinductor_cache_dir"] = user_inductor_dir, \
+            "env TORCHINDUCTOR_CACHE_DIR"
     return ResolvedSettings(ServeSettings(**values), sources)
+
+
+def torch_default_inductor_dir() -> str:
+    """The temporary directory torch writes into TORCHINDUCTOR_CACHE_DIR when it imports its
+    compiler: a value there that equals it was not set by the user."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    return default_cache_dir()
 
 
 def settings_fields() -> tuple[dataclasses.Field, ...]:

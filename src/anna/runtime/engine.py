@@ -18,8 +18,10 @@ from anna.core.sampling_params import SamplingParams
 from anna.model.config import load_model_config
 from anna.model.cpu_kernels import build_cpu_kernels
 from anna.model.linear import KernelPolicy
+from anna.runtime.compilation import resolve_compile_mode, use_inductor_cache_dir
 from anna.runtime.kv_cache import KVCacheManager
-from anna.runtime.memory import activation_dtype, plan_kv_cache, resolve_device, resolve_dtype
+from anna.runtime.memory import (activation_dtype, module_bytes, plan_kv_cache, profile_activation_peak,
+                                 resolve_device, resolve_dtype)
 from anna.runtime.memory_release import MemoryReleaser, ReleasePolicy
 from anna.runtime.metrics import EngineStats
 from anna.runtime.model_runner import ModelRunner
@@ -81,10 +83,14 @@ class LLMEngine:
                            int4_cache=Int4CacheOptions(not s.disable_int4_cache, s.int4_cache_dir,
                                                        s.int4_cache_load_workers, s.cache_dir),
                            show_progress=show_progress)
+        profile_tokens = min(s.max_num_batched_tokens, self.max_model_len)  # the largest prefill one step runs
+        peak = profile_activation_peak(model, cfg, profile_tokens, min(s.max_num_seqs, profile_tokens), s.block_size,
+                                       self.device, self.activation_dtype)
         plan = plan_kv_cache(cfg, self.activation_dtype, self.device, block_size=s.block_size,
                              max_model_len=self.max_model_len, kv_cache_memory_gib=s.kv_cache_memory,
                              num_blocks_override=s.num_gpu_blocks_override, memory_utilization=s.memory_utilization,
-                             max_num_seqs=s.max_num_seqs)
+                             max_num_seqs=s.max_num_seqs, weights=module_bytes(model), activation_peak=peak,
+                             profile_tokens=profile_tokens)
         log.info(plan.describe(self.max_model_len))
         self.kv = KVCacheManager(plan.num_blocks, s.block_size, s.enable_prefix_caching)
         self.prompt_cache = self._prompt_cache()
@@ -93,7 +99,12 @@ class LLMEngine:
             long_prefill_token_threshold=s.long_prefill_token_threshold,
             prefill_interval_steps=s.prefill_interval_steps,
             event_driven_prefill_insert=s.scheduler_event_driven_prefill_insert), self.kv, self.prompt_cache)
-        self.runner = ModelRunner(model, self.kv, self.device, self.activation_dtype, Sampler(s.seed, self.device))
+        self.compile_mode = resolve_compile_mode(s.compile_mode, self.device)
+        if self.compile_mode != "none":
+            log.info("torch.compile: mode=%s fullgraph=%s, cache %s", self.compile_mode, s.compile_fullgraph,
+                     use_inductor_cache_dir(s.torchinductor_cache_dir))
+        self.runner = ModelRunner(model, self.kv, self.device, self.activation_dtype, Sampler(s.seed, self.device),
+                                  self.compile_mode, s.compile_fullgraph)
         floor = s.memory_release_min_free_mib if s.memory_release_min_free_mib >= 0 else s.min_free_memory_mib
         self.memory = MemoryReleaser(
             self.kv, self.runner.kv_caches, self.prompt_cache, self.device, s.kv_release_chunk_blocks,

@@ -13,6 +13,7 @@ from anna.core.request import Request
 from anna.model.attention import AttentionMetadata, build_metadata
 from anna.model.linear import profiled
 from anna.model.llama import LlamaForCausalLM
+from anna.runtime.compilation import CompiledForward
 from anna.runtime.kv_cache import KVCacheManager
 from anna.runtime.sampler import SampleResult, Sampler
 from anna.runtime.scheduler import ScheduledBatch
@@ -29,8 +30,10 @@ class ModelInputs:
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, kv: KVCacheManager, device: torch.device, kv_dtype: torch.dtype,
-                 sampler: Sampler) -> None:
+                 sampler: Sampler, compile_mode: str = "none", compile_fullgraph: bool = False) -> None:
         self.model = model
+        self.model_forward = model.forward if compile_mode == "none" else \
+            CompiledForward(model.forward, compile_mode, compile_fullgraph)
         self.kv = kv
         self.device = device
         self.sampler = sampler
@@ -69,7 +72,7 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, inputs: ModelInputs) -> torch.Tensor:
         """Hidden states of every scheduled token, in model order."""
-        return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        return self.model_forward(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
 
     def _slots(self, request_id: str, num_tokens: int) -> torch.Tensor:
         bs = self.kv.block_size

@@ -1,0 +1,53 @@
+"""torch.compile of the model's forward pass: which mode, where its cache lives, and falling back
+to eager when compilation fails.
+
+``auto`` resolves per device type to what measured fastest (docs/BENCHMARKS.md, "Compiled
+forward"): on CPU that is eager, because decode-only steps run Anna's fused C kernels, which
+torch.compile cannot see into, and the compile itself costs tens of seconds per new shape class.
+No GPU measurement has been made yet, so ``auto`` stays eager on CUDA and XPU too; ``default``,
+``reduce-overhead`` and ``max-autotune`` ask for compilation explicitly.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+log = logging.getLogger(__name__)
+
+AUTO_MODE = {"cpu": "none", "cuda": "none", "xpu": "none"}
+
+
+def resolve_compile_mode(mode: str, device: torch.device) -> str:
+    return AUTO_MODE.get(device.type, "none") if mode == "auto" else mode
+
+
+def use_inductor_cache_dir(path: str) -> str:
+    """Point torch's compile cache at ``path`` (the resolved setting) for this process."""
+    resolved = str(Path(path).expanduser())
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = resolved
+    return resolved
+
+
+class CompiledForward:
+    """Calls the compiled function; on the first failure, warns once and runs eager from then on."""
+
+    def __init__(self, eager: Callable[..., Any], mode: str, fullgraph: bool) -> None:
+        self.eager = eager
+        self.mode = mode
+        self.compiled: Callable[..., Any] | None = torch.compile(
+            eager, mode=None if mode == "default" else mode, fullgraph=fullgraph, dynamic=True)
+
+    def __call__(self, *args: Any) -> Any:
+        if self.compiled is not None:
+            try:
+                return self.compiled(*args)
+            except Exception as exc:  # compilation (not the model) failed: serve eager instead
+                log.warning("torch.compile (mode=%s) failed, running eager from now on: %s", self.mode,
+                            str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+                self.compiled = None
+        return self.eager(*args)

@@ -1,0 +1,46 @@
+"""torch.compile of the forward pass gives the same tokens as eager; a compile failure falls back
+to eager with one warning. (Compiling costs tens of seconds on CPU, so there are few of these.)"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from anna import LLM, SamplingParams
+
+PROMPTS = [[5 + i + j for j in range(30 + 7 * i)] for i in range(3)]
+
+
+def tokens(llm: LLM) -> list[list[int]]:
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+
+
+def make(qwen2_dir, cache_dir, tmp_path, **kw) -> LLM:
+    return LLM(str(qwen2_dir), dtype="float32", device="cpu", cache_dir=str(cache_dir), max_model_len=512,
+               num_gpu_blocks_override=128, torchinductor_cache_dir=str(tmp_path / "inductor"), **kw)
+
+
+@pytest.fixture(scope="module")
+def eager_tokens(qwen2_dir, cache_dir, tmp_path_factory):
+    llm = make(qwen2_dir, cache_dir, tmp_path_factory.mktemp("eager"))
+    assert llm.llm_engine.compile_mode == "none"  # auto on CPU
+    return tokens(llm)
+
+
+def test_compiled_fullgraph_forward_matches_eager(qwen2_dir, cache_dir, tmp_path, eager_tokens):
+    llm = make(qwen2_dir, cache_dir, tmp_path, compile_mode="default", compile_fullgraph=True, cpu_kernels=False)
+    assert llm.llm_engine.runner.model_forward.compiled is not None
+    assert tokens(llm) == eager_tokens
+    assert llm.llm_engine.runner.model_forward.compiled is not None  # it really ran compiled
+    assert any((tmp_path / "inductor").iterdir())  # and used the configured cache directory
+
+
+def test_compile_failure_falls_back_to_eager(qwen2_dir, cache_dir, tmp_path, eager_tokens, caplog):
+    # fullgraph cannot trace through Anna's C kernels (called with ctypes): compilation fails
+    llm = make(qwen2_dir, cache_dir, tmp_path, compile_mode="default", compile_fullgraph=True)
+    with caplog.at_level(logging.WARNING, logger="anna.runtime.compilation"):
+        assert tokens(llm) == eager_tokens
+    assert llm.llm_engine.runner.model_forward.compiled is None
+    assert sum("running eager from now on" in r.message for r in caplog.records) == 1
