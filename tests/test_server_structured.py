@@ -74,6 +74,8 @@ def test_guided_regex_and_choice_on_completions(client):
     assert all(re.fullmatch(r"[0-9]{3}-[0-9]{4}", c.text) for c in r.choices)
     r = chat(client, extra_body={"guided_choice": ["sunny", "rainy"]}, seed=4)
     assert r.choices[0].message.content in ("sunny", "rainy")
+    r = chat(client, extra_body={"structured_outputs": {"json": SCHEMA}}, seed=6)
+    jsonschema.validate(json.loads(r.choices[0].message.content), SCHEMA)
 
 
 def test_tool_choice_required_calls_validate(client):
@@ -139,6 +141,8 @@ def test_tool_choice_none_returns_no_calls(client):
     ({"guided_choice": []}, "guided_choice"),
     ({"guided_json": {"type": "string", "enum": ["x" * 70000]}}, "guided_json"),
     ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
+    ({"structured_outputs": {"jsn": {}}}, "structured_outputs"),
+    ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "objekt"}}}],
       "tool_choice": "required"}, "tool_choice"),
 ])

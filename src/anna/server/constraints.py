@@ -2,7 +2,8 @@
 
 Sources, in order: a forced tool call (``tool_choice: "required"`` or a named function), OpenAI's
 ``response_format``, vLLM's ``guided_json`` / ``guided_regex`` / ``guided_choice`` /
-``guided_grammar``. A request may use one of them.
+``guided_grammar`` or their newer form ``structured_outputs: {"json" | "regex" | "choice" | "grammar" |
+"json_object": ...}``. A request may use one of them.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ def forced_tool_constraint(tools: list[dict[str, Any]], parallel: bool,
 
 def request_constraint(req: SamplingFields) -> tuple[StructuredOutputsParams | None, str]:
     """The constraint in ``response_format`` or the guided_* fields, and the field to blame for errors."""
-    given = [name for name in GUIDED_FIELDS if getattr(req, name) is not None]
+    given = [name for name in (*GUIDED_FIELDS, "structured_outputs") if getattr(req, name) is not None]
     fmt = req.response_format
     fmt_type = None
     if fmt is not None:
@@ -46,6 +47,12 @@ def request_constraint(req: SamplingFields) -> tuple[StructuredOutputsParams | N
         return None, ""
     field = given[0]
     try:
+        if field == "structured_outputs":
+            fields = req.structured_outputs or {}
+            unknown = sorted(set(fields) - {"json", "regex", "choice", "grammar", "json_object"})
+            if unknown:
+                raise ValueError(f"unknown field {unknown[0]!r}")
+            return StructuredOutputsParams(**fields), field
         if field != "response_format":
             return StructuredOutputsParams(**{GUIDED_FIELDS[field]: getattr(req, field)}), field
         if fmt_type == "json_object":

@@ -61,6 +61,7 @@ class SamplingFields(_Lenient):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    structured_outputs: dict[str, Any] | None = None  # vLLM's newer form: {"json": ...} / {"regex": ...} / ...
 
 
 class FunctionDef(_Lenient):
