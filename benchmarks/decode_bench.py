@@ -61,6 +61,7 @@ def main() -> None:
     ap.add_argument("--no-transformers", action="store_true", help="Skip the transformers baseline.")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/decode_bench.json"))
     ap.add_argument("--label", default="anna")
+    ap.add_argument("--decode-executor", default="auto", choices=["auto", "eager", "graph"])
     args = ap.parse_args()
 
     g = torch.Generator().manual_seed(0)
@@ -69,7 +70,9 @@ def main() -> None:
                "torch": torch.__version__, "model": args.model, "dtype": args.dtype,
                "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens}
 
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, enable_prefix_caching=False)
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, enable_prefix_caching=False,
+              decode_executor=args.decode_executor)
+    results["decode_executor"] = llm.llm_engine.decode_executor
     anna_run(llm, prompt, 8, "warm")
     runs = [anna_run(llm, prompt, args.new_tokens, f"r{i}") for i in range(args.repeats)]
     results["anna"] = {"prefill_tok_s": args.prompt_tokens / statistics.median(r[0] for r in runs),

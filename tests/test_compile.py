@@ -44,3 +44,24 @@ def test_compile_failure_falls_back_to_eager(qwen2_dir, cache_dir, tmp_path, eag
         assert tokens(llm) == eager_tokens
     assert llm.llm_engine.runner.model_forward.compiled is None
     assert sum("running eager from now on" in r.message for r in caplog.records) == 1
+
+
+def test_decode_executors_give_the_same_tokens(qwen2_dir, cache_dir, tmp_path, eager_tokens, hf_models):
+    """graph (on CPU the fused C decode stack) and eager (layer by layer) decode the same tokens,
+    which are transformers' greedy tokens."""
+    from helpers import hf_greedy
+
+    graph = make(qwen2_dir, cache_dir, tmp_path)
+    assert graph.llm_engine.decode_executor == "graph"  # auto on CPU
+    eager = make(qwen2_dir, cache_dir, tmp_path, decode_executor="eager")
+    assert eager.llm_engine.decode_executor == "eager"
+    assert not eager.llm_engine.runner.model.layers[0].self_attn.policy.fused_decode
+    assert tokens(eager) == tokens(graph) == eager_tokens
+    assert eager_tokens[0] == hf_greedy(hf_models["qwen2"][0], PROMPTS[0], 12)
+
+
+def test_graph_executor_without_cpu_kernels_runs_eager_with_one_warning(qwen2_dir, cache_dir, tmp_path, caplog):
+    with caplog.at_level(logging.WARNING, logger="anna.runtime.compilation"):
+        llm = make(qwen2_dir, cache_dir, tmp_path, decode_executor="graph", cpu_kernels=False)
+    assert llm.llm_engine.decode_executor == "eager"
+    assert sum("decode_executor=graph" in r.message for r in caplog.records) == 1

@@ -35,6 +35,7 @@ class KernelPolicy:
     int4_matmul: str = "auto"  # auto | packed | dequant
     int4_gemv_m_threshold: int = 16  # auto: packed kernel for M <= this, dequant + dense GEMM above
     profiler: "RuntimeProfiler | None" = None  # --profile-runtime
+    fused_decode: bool = True  # decode-only CPU steps run the whole decoder stack in one C call
 
 
 def profiled(policy: KernelPolicy, name: str) -> ContextManager:

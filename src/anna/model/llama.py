@@ -135,7 +135,7 @@ class LlamaForCausalLM(nn.Module):
     def _fused_decode_applies(self, hidden: torch.Tensor, meta: AttentionMetadata, kv_caches: list[KVCache]) -> bool:
         """Decode-only batches on CPU with Anna's kernels run all layers in one C call."""
         policy = self.layers[0].self_attn.policy
-        if (policy.cpu is None or policy.profiler is not None or hidden.device.type != "cpu" or hidden.dtype != torch.float32 or meta.prefills
+        if (policy.cpu is None or not policy.fused_decode or policy.profiler is not None or hidden.device.type != "cpu" or hidden.dtype != torch.float32 or meta.prefills
                 or meta.num_decode_tokens != hidden.shape[0] or hidden.shape[0] > policy.cpu_gemv_max_rows
                 or kv_caches[0][0].dtype != torch.float32):
             return False

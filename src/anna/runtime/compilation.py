@@ -1,5 +1,5 @@
-"""torch.compile of the model's forward pass: which mode, where its cache lives, and falling back
-to eager when compilation fails.
+"""How the forward pass executes: torch.compile (which mode, where its cache lives, falling back
+to eager when compilation fails) and the decode executor.
 
 ``auto`` resolves per device type to what measured fastest (docs/BENCHMARKS.md, "Compiled
 forward"): on CPU that is eager, because decode-only steps run Anna's fused C kernels, which
@@ -24,6 +24,21 @@ AUTO_MODE = {"cpu": "none", "cuda": "none", "xpu": "none"}
 
 def resolve_compile_mode(mode: str, device: torch.device) -> str:
     return AUTO_MODE.get(device.type, "none") if mode == "auto" else mode
+
+
+def resolve_decode_executor(choice: str, device: torch.device, fused_available: bool) -> str:
+    """``graph`` or ``eager``. On CPU the captured decode step is Anna's fused C decode stack (one call
+    for all layers), measured faster than layer by layer (docs/BENCHMARKS.md), so auto picks it.
+    Elsewhere there is no graph executor yet: auto is eager, and asking for graph says so once."""
+    if choice == "eager":
+        return "eager"
+    if device.type == "cpu" and fused_available:
+        return "graph"
+    if choice == "graph":
+        why = "needs Anna's CPU kernels and no --profile-runtime" if device.type == "cpu" else \
+            f"graph capture is not implemented for {device.type}"
+        log.warning("decode_executor=graph: %s; running eager", why)
+    return "eager"
 
 
 def use_inductor_cache_dir(path: str) -> str:

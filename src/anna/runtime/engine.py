@@ -18,7 +18,7 @@ from anna.core.sampling_params import SamplingParams
 from anna.model.config import load_model_config
 from anna.model.cpu_kernels import build_cpu_kernels
 from anna.model.linear import KernelPolicy
-from anna.runtime.compilation import resolve_compile_mode, use_inductor_cache_dir
+from anna.runtime.compilation import resolve_compile_mode, resolve_decode_executor, use_inductor_cache_dir
 from anna.runtime.kv_cache import KVCacheManager
 from anna.runtime.memory import (activation_dtype, module_bytes, plan_kv_cache, profile_activation_peak,
                                  resolve_device, resolve_dtype)
@@ -123,10 +123,13 @@ class LLMEngine:
         cpu = build_cpu_kernels(s.cache_dir) if s.cpu_kernels and self.device.type == "cpu" else None
         if self.device.type == "cpu":
             log.info("CPU kernels: %s", f"Anna's (matmuls up to M={s.cpu_gemv_max_rows})" if cpu else "torch's")
+        self.decode_executor = resolve_decode_executor(s.decode_executor, self.device,
+                                                       cpu is not None and self.profiler is None)
+        log.info("Decode executor: %s", self.decode_executor)
         return KernelPolicy(cpu=cpu, cpu_gemv_max_rows=s.cpu_gemv_max_rows, cpu_upcast_min_rows=s.cpu_upcast_min_rows,
                             quantization=s.quantization, int4_group_size=s.int4_group_size,
                             int4_matmul=s.int4_matmul, int4_gemv_m_threshold=s.int4_gemv_m_threshold,
-                            profiler=self.profiler)
+                            profiler=self.profiler, fused_decode=self.decode_executor == "graph")
 
     def _prompt_cache(self) -> PromptCache:
         """Resolve the exact prompt cache's auto values. Anna's KV layout is paged, so by default

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# The checks to run on a machine with an NVIDIA GPU (torch with CUDA and Anna installed):
+# the CUDA-marked tests, then decode speed by executor and eager against torch.compile.
+#     bash benchmarks/gpu_check.sh [results-dir]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out="${1:-benchmarks/results/gpu}"
+mkdir -p "$out"
+python -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.cuda.get_device_name())"
+python -m pytest -m cuda -q -p no:warnings 2>&1 | tee "$out/cuda_tests.txt"
+model=benchmarks/models/qwen2.5-0.5b
+[ -f "$model/config.json" ] || python benchmarks/make_random_model.py --out "$model"
+for executor in eager graph; do
+  python benchmarks/decode_bench.py --model "$model" --device cuda --no-transformers \
+    --decode-executor "$executor" --out "$out/decode_$executor.json"
+done
+python benchmarks/compile_bench.py --model "$model" --out "$out/compile.json"
