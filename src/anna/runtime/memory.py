@@ -105,7 +105,7 @@ def plan_kv_cache(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, *,
     memory and the utilization fraction, the compile/graph workspace, what is left for KV."""
     per_token = kv_bytes_per_token(cfg, dtype)
     per_block = per_token * block_size
-    steps = [f"weights: " + ", ".join(f"{b / MIB:.1f} MiB on {d}" for d, b in sorted((weights or {}).items()))]
+    steps = ["weights: " + ", ".join(f"{b / MIB:.1f} MiB on {d}" for d, b in sorted((weights or {}).items()))]
     if activation_peak is not None:
         steps.append(f"profile run (prefill of {profile_tokens} tokens, the largest warmup shape): "
                      f"activation peak {activation_peak / MIB:.1f} MiB")
