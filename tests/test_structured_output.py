@@ -188,3 +188,24 @@ def test_compiled_grammars_are_cached_and_bounded(llm):
     for i in range(compiler.cache_size + 5):
         compiler.compile(StructuredOutputsParams(regex=f"x{i}"))
     assert len(compiler._cache) == compiler.cache_size
+
+
+def test_grammar_wins_over_min_tokens_when_only_eos_is_left(llm):
+    """An empty regex allows only the end at once, while min_tokens bans EOS: the grammar's end is
+    honoured instead of sampling from no allowed token at all (which would crash multinomial)."""
+    outs = sample(llm, StructuredOutputsParams(regex=""), seeds=range(3), min_tokens=4, max_tokens=8)
+    assert all(o.text == "" and o.finish_reason == "stop" and len(o.token_ids) == 1 for o in outs)
+    assert all(o.token_ids[0] in llm.llm_engine.eos_token_ids for o in outs)
+
+
+def test_constrained_requests_survive_preemption(qwen2_dir, cache_dir):
+    """With a KV pool too small for all of them, requests are preempted and recomputed; their
+    grammars follow the tokens they keep, and every output still validates."""
+    small = LLM(str(qwen2_dir), dtype="float32", device="cpu", cache_dir=str(cache_dir), max_model_len=256,
+                num_gpu_blocks_override=16)
+    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=150, structured_outputs=StructuredOutputsParams(json=PERSON))
+              for s in range(6)]
+    outs = small.generate([PROMPT * 3] * 6, params, use_tqdm=False)
+    assert small.llm_engine.scheduler.num_preemptions > 0
+    for o in outs:
+        jsonschema.validate(json.loads(o.outputs[0].text), PERSON)

@@ -55,6 +55,12 @@ class Sampler:
         for i, req in enumerate(requests):
             if _needs_processing(req):
                 _apply_penalties_and_bias(logits[i], req)
+        if constrained:  # the grammar wins where penalties (min_tokens' EOS ban) left it no token
+            dead = [i for i, top in zip(constrained, logits[constrained].max(dim=-1).values.tolist())
+                    if top == float("-inf")]
+            if dead:
+                logits[dead] = raw[dead]
+                apply_grammar_masks(logits, dead, [requests[i].grammar for i in dead])
         tokens = torch.empty(len(requests), dtype=torch.long, device=logits.device)
         for i, (req, p) in enumerate(zip(requests, params)):
             row = logits[i]
