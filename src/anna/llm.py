@@ -73,6 +73,8 @@ class LLM:
                         raise ValueError("prompts: a dict prompt needs 'prompt' or 'prompt_token_ids'")
                 rid = f"llm-{self._counter}"
                 self._counter += 1
+                if isinstance(p, SamplingParams) and p.output_kind != "final_only":  # generate() returns finals only
+                    p = dataclasses.replace(p, output_kind="final_only")
                 engine.add_request(rid, prompt, p)
                 ids.append(rid)
         except Exception:

@@ -120,6 +120,11 @@ class ServeSettings:
     long_prefill_token_threshold: int | None = _setting(
         PROFILE, "Most prompt tokens one request prefills in a step while others are decoding (the chunk size).")
 
+    scheduler_token_sync_every_steps: int | None = _setting(
+        0, "Non-streaming requests without stop strings, logprobs, penalties or grammars read their sampled "
+           "tokens back from the device (and check EOS) every N steps, at the cost of up to N-1 discarded "
+           "steps; 1 = every step; 0 = auto (8 on GPUs, 1 on CPU, where there is no device to wait for).")
+
     # Warmup (serving)
     inference_warmup: bool | None = _setting(
         True, "Run the warmup shape table before serving (--no-inference-warmup skips it, for development).")

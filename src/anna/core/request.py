@@ -14,6 +14,9 @@ from typing import Any
 from anna.core.sampling_params import SamplingParams
 
 
+PENDING_TOKEN = -1  # an output token sampled on the device and not yet read back to the host
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -42,6 +45,10 @@ class Request:
     # Per output token: {token id: Logprob} for the top alternatives and the chosen token
     output_logprobs: list[dict] = field(default_factory=list)
     grammar: Any = None  # an llguidance matcher when the output is constrained; it tracks the output so far
+    # Token sync window: sampled tokens are read back every sync_every steps; until then each is a
+    # PENDING_TOKEN in the token lists and (device tensor, row) here, oldest first.
+    sync_every: int = 1
+    pending: list[tuple[Any, int]] = field(default_factory=list)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None

@@ -6,6 +6,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+OUTPUT_KINDS = ("cumulative", "final_only")
 GREEDY_EPSILON = 1e-5  # temperatures below this mean greedy decoding
 MAX_LOGPROBS = 20
 
@@ -81,6 +82,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    # cumulative: an output after every step (streaming); final_only: one output when finished,
+    # which lets the engine read sampled tokens back from the device every few steps only
+    output_kind: str = "cumulative"
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -150,5 +154,7 @@ class SamplingParams:
             bad("stop_token_ids", "must be a list of non-negative integers")
         if self.logit_bias and any(not -100 <= v <= 100 for v in self.logit_bias.values()):
             bad("logit_bias", "values must be in [-100, 100]")
+        if self.output_kind not in OUTPUT_KINDS:
+            bad("output_kind", f"must be one of {', '.join(OUTPUT_KINDS)}")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             bad("structured_outputs", "must be a StructuredOutputsParams")

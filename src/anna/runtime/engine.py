@@ -11,9 +11,11 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+import torch
+
 from anna.core.config import ResolvedSettings, ServeSettings
 from anna.core.outputs import CompletionOutput, Logprob, RequestOutput
-from anna.core.request import Request, RequestStatus
+from anna.core.request import PENDING_TOKEN, Request, RequestStatus
 from anna.core.sampling_params import SamplingParams
 from anna.model.config import load_model_config
 from anna.model.cpu_kernels import build_cpu_kernels
@@ -50,6 +52,7 @@ class SequenceState:
 class RequestGroup:
     request_id: str
     prompt: str | None
+    final_only: bool = False  # one output, when finished
     seqs: list[SequenceState] = field(default_factory=list)
 
     @property
@@ -111,6 +114,7 @@ class LLMEngine:
             ReleasePolicy(s.memory_release_sweep_interval_s, floor, s.memory_release_max_gap_mib))
         self.eos_token_ids = frozenset(cfg.eos_token_ids or
                                        ([self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []))
+        self.token_sync_every = s.scheduler_token_sync_every_steps or (1 if self.device.type == "cpu" else 8)
         self.structured = StructuredOutputCompiler(
             self.tokenizer.to_json(), cfg.vocab_size, sorted(self.eos_token_ids),
             cache_size=s.structured_output_cache_size, max_spec_bytes=s.structured_output_max_bytes)
@@ -182,7 +186,8 @@ class LLMEngine:
         spec = params.structured_outputs
         if spec is not None:
             self.structured.compile(spec)  # invalid constraints fail here, before anything is allocated
-        group = RequestGroup(request_id, text)
+        group = RequestGroup(request_id, text, final_only=params.output_kind == "final_only")
+        sync_every = self._sync_window(params)
         for i in range(params.n):
             child = params
             if params.n > 1 or params.max_tokens != max_tokens:
@@ -190,7 +195,7 @@ class LLMEngine:
                                           "seed": None if params.seed is None else (params.seed + i) % 2**64})
             req = Request(request_id if params.n == 1 else f"{request_id}#{i}", ids, child, prompt=text,
                           eos_token_ids=self.eos_token_ids, arrival_time=arrival_time or time.monotonic(),
-                          grammar=None if spec is None else self.structured.new_matcher(spec))
+                          grammar=None if spec is None else self.structured.new_matcher(spec), sync_every=sync_every)
             detok = IncrementalDetokenizer(self.tokenizer, ids, child.skip_special_tokens)
             state = SequenceState(req, detok)
             group.seqs.append(state)
@@ -199,6 +204,15 @@ class LLMEngine:
         for state in group.seqs:
             self.scheduler.add(state.req)
         self.stats.prompt_tokens += len(ids) * params.n
+
+    def _sync_window(self, p: SamplingParams) -> int:
+        """Steps between reading a request's tokens back: 1 unless nobody looks at them sooner
+        (no stream, no stop strings, logprobs, penalties or grammar, which need each token)."""
+        if (p.output_kind != "final_only" or p.stop_strings or p.logprobs is not None
+                or p.structured_outputs is not None or p.repetition_penalty != 1.0 or p.presence_penalty
+                or p.frequency_penalty):
+            return 1
+        return self.token_sync_every
 
     def abort_request(self, request_id: str) -> None:
         group = self.groups.pop(request_id, None)
@@ -226,6 +240,7 @@ class LLMEngine:
         if self.profiler is not None:
             self.profiler.step_finished(start)
         touched: dict[str, RequestGroup] = {}
+        to_sync: list[SequenceState] = []
         for req, n in zip(batch.requests, batch.num_new_tokens):
             req.num_computed_tokens += n
             if req.request_id in sampled:
@@ -233,12 +248,24 @@ class LLMEngine:
                         and req.prompt_token_ids not in self.prompt_cache:
                     self.prompt_cache.insert(req.prompt_token_ids, self.runner.read_prompt_kv(req))
                 group, state = self._seqs[req.request_id]
-                token, logprobs = sampled[req.request_id]
-                self._append_token(state, token, logprobs)
+                token = sampled[req.request_id]
+                if token.value is None:  # stays on the device for now
+                    req.append_output_token(PENDING_TOKEN)
+                    req.pending.append(token.ref)
+                    self._record_token(req)
+                    if len(req.pending) >= req.sync_every or req.num_output_tokens >= req.sampling_params.max_tokens \
+                            or req.num_tokens >= self.max_model_len:
+                        to_sync.append(state)
+                else:
+                    self._append_token(state, token.value, token.logprobs)
                 touched[group.request_id] = group
+        if to_sync:
+            self._sync_tokens(to_sync)
         outputs = []
         finished_any = False
         for group in touched.values():
+            if group.final_only and not group.finished:
+                continue
             outputs.append(self._make_output(group))
             if group.finished:
                 finished_any = True
@@ -249,16 +276,27 @@ class LLMEngine:
             self.memory.maybe_release(idle=True, periodic=False)
         return outputs
 
-    def _append_token(self, state: SequenceState, token: int, logprobs: tuple | None) -> None:
-        req = state.req
-        p = req.sampling_params
-        req.append_output_token(token)
+    def _sync_tokens(self, states: list[SequenceState]) -> None:
+        """Read the pending tokens of these sequences back in one copy, then check them in order as
+        if each had arrived on its own step; tokens after a stop are discarded."""
+        refs = [ref for state in states for ref in state.req.pending]
+        values = torch.stack([t[row] for t, row in refs]).tolist()
+        offset = 0
+        for state in states:
+            req = state.req
+            n = len(req.pending)
+            tokens, offset = values[offset:offset + n], offset + n
+            req.pending.clear()
+            del req.output_token_ids[-n:], req.all_token_ids[-n:]
+            for i, token in enumerate(tokens):
+                self._append_token(state, token, None, record=False)
+                if req.is_finished:
+                    self.stats.generation_tokens -= n - i - 1  # computed past the stop, then dropped
+                    break
+
+    def _record_token(self, req: Request) -> None:
+        """Count a new output token and its timing, when it is sampled."""
         self.stats.generation_tokens += 1
-        if logprobs is not None:  # shaped once per token, not on every output
-            chosen, top = logprobs
-            entry = {tid: Logprob(lp, rank=r + 1) for r, (tid, lp) in enumerate(top)}
-            entry.setdefault(token, Logprob(chosen))
-            req.output_logprobs.append(entry)
         now = time.monotonic()
         if req.first_token_time is None:
             req.first_token_time = now
@@ -269,6 +307,18 @@ class LLMEngine:
         else:
             self.stats.inter_token.observe(now - req.last_token_time)
         req.last_token_time = now
+
+    def _append_token(self, state: SequenceState, token: int, logprobs: tuple | None, record: bool = True) -> None:
+        req = state.req
+        p = req.sampling_params
+        req.append_output_token(token)
+        if record:
+            self._record_token(req)
+        if logprobs is not None:  # shaped once per token, not on every output
+            chosen, top = logprobs
+            entry = {tid: Logprob(lp, rank=r + 1) for r, (tid, lp) in enumerate(top)}
+            entry.setdefault(token, Logprob(chosen))
+            req.output_logprobs.append(entry)
         if req.grammar is not None and not req.grammar.consume_token(token):
             log.error("request %s: token %d rejected by its grammar (%s)", req.request_id, token,
                       req.grammar.get_error())

@@ -20,6 +20,13 @@ from anna.runtime.scheduler import ScheduledBatch
 
 
 @dataclass
+class SampledToken:
+    value: int | None  # on the host; None while it stays on the device (the request's sync window)
+    logprobs: tuple | None
+    ref: tuple[torch.Tensor, int]  # (the step's sampled tokens on the device, row)
+
+
+@dataclass
 class ModelInputs:
     input_ids: torch.Tensor
     positions: torch.Tensor
@@ -51,9 +58,14 @@ class ModelRunner:
         starts: list[int] = []
         lens: list[int] = []
         tables: list[list[int]] = []
+        on_device: list[tuple[int, tuple[torch.Tensor, int]]] = []  # (flat index, pending token)
         for i in order:
             req, n = requests[i], num_new_tokens[i]
             start = req.num_computed_tokens
+            if req.pending:  # tokens not yet read back: take them from where they were sampled
+                first = req.num_tokens - len(req.pending)
+                on_device.extend((len(ids) + pos - start, req.pending[pos - first])
+                                 for pos in range(max(start, first), start + n))
             ids.extend(req.all_token_ids[start:start + n])
             starts.append(start)
             lens.append(n)
@@ -66,8 +78,11 @@ class ModelRunner:
         slots = table_tensor[owner, positions // bs] * bs + positions % bs
         meta = build_metadata(slots, starts, lens, table_tensor, bs, self.model.config.sliding_window, dev)
         logits_indices = (torch.tensor(lens).cumsum(0) - 1).tolist()
-        return ModelInputs(torch.tensor(ids, dtype=torch.long, device=dev), positions.to(dev), meta, order,
-                           logits_indices)
+        input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
+        if on_device:
+            where = torch.tensor([flat for flat, _ in on_device], device=dev)
+            input_ids[where] = torch.stack([t[row] for _, (t, row) in on_device])
+        return ModelInputs(input_ids, positions.to(dev), meta, order, logits_indices)
 
     @torch.inference_mode()
     def forward(self, inputs: ModelInputs) -> torch.Tensor:
@@ -94,9 +109,10 @@ class ModelRunner:
             v_cache.flatten(0, 1).index_copy_(0, slots, v)
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> dict[str, tuple[int, tuple | None]]:
+    def execute(self, batch: ScheduledBatch) -> dict[str, SampledToken]:
         """Run one step; return the sampled token (and logprobs) of each request that finished
-        its scheduled tokens with nothing left to compute (prefill done or a decode)."""
+        its scheduled tokens with nothing left to compute (prefill done or a decode). Tokens are
+        read back to the host only if some request needs its token now."""
         for req, entry in batch.restores:
             self.write_prompt_kv(req, entry.kv)
         inputs = self.prepare(batch.requests, batch.num_new_tokens)
@@ -111,4 +127,7 @@ class ModelRunner:
         reqs = [r for _, r in sampling]
         with profiled(self.model.lm_head.policy, "sampling"):
             result: SampleResult = self.sampler(logits, reqs)
-        return {r.request_id: (t, lp) for r, t, lp in zip(reqs, result.token_ids, result.logprobs)}
+        host = result.tokens.tolist() if any(r.sync_every == 1 for r in reqs) else None
+        return {r.request_id: SampledToken(host[i] if host is not None and r.sync_every == 1 else None,
+                                           result.logprobs[i], (result.tokens, i))
+                for i, r in enumerate(reqs)}

@@ -17,7 +17,7 @@ from anna.runtime.structured_output import apply_grammar_masks
 
 @dataclass
 class SampleResult:
-    token_ids: list[int]
+    tokens: torch.Tensor  # [rows] long, on the device: read it on the host only when needed
     # per row: (chosen token logprob, [(token id, logprob), ...]) or None when not asked for
     logprobs: list[tuple[float, list[tuple[int, float]]] | None]
 
@@ -47,7 +47,7 @@ class Sampler:
         raw = logits
         if all(p.greedy and not _needs_processing(r) for p, r in zip(params, requests)) \
                 and all(p.logprobs is None for p in params):
-            return SampleResult(logits.argmax(dim=-1).tolist(), [None] * len(requests))
+            return SampleResult(logits.argmax(dim=-1), [None] * len(requests))
         logits = logits.clone()
         constrained = [i for i, r in enumerate(requests) if r.grammar is not None]
         if constrained:  # before penalties, so that nothing can lift a forbidden token back
@@ -80,10 +80,10 @@ class Sampler:
             if p.min_p > 0.0:
                 probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
             tokens[i] = torch.multinomial(probs, 1, generator=self._generator(req))[0]
-        token_list = tokens.tolist()
         logprobs: list[tuple[float, list[tuple[int, float]]] | None] = [None] * len(requests)
         want = [i for i, p in enumerate(params) if p.logprobs is not None]
         if want:
+            token_list = tokens.tolist()
             lp = torch.log_softmax(raw[want], dim=-1)
             for row, i in enumerate(want):
                 k = params[i].logprobs
@@ -93,7 +93,7 @@ class Sampler:
                     vals, ids = torch.topk(lp[row], k)
                     top = list(zip(ids.tolist(), vals.tolist()))
                 logprobs[i] = (chosen, top)
-        return SampleResult(token_list, logprobs)
+        return SampleResult(tokens, logprobs)
 
 
 def _needs_processing(req: Request) -> bool:
