@@ -154,3 +154,41 @@ def test_invalid_constraints_are_400(live_server, body, param):
     err = r.json()["error"]
     assert err["param"] == param and err["type"] == "invalid_request_error"
     assert httpx.get(live_server + "/health").status_code == 200
+
+
+def test_reasoning_server_constrains_the_answer_after_thinking(qwen2_dir, cache_dir):
+    """--reasoning-parser think: the JSON schema applies after an optional <think> block. A random
+    model, once in that block, rarely writes </think> by chance, so logit_bias steers the first
+    token: towards "<" it thinks (until max_tokens), towards "{" it answers with valid JSON."""
+    import asyncio
+
+    from anna.core.config import ServeSettings
+    from anna.server.app import create_app
+
+    settings = ServeSettings(model=str(qwen2_dir), dtype="float32", device="cpu", cache_dir=str(cache_dir),
+                             max_model_len=512, num_gpu_blocks_override=64, reasoning_parser="think",
+                             inference_warmup=False, log_level="error").resolve(env={})
+    app = create_app(settings, load_in_background=False)
+    fmt = {"type": "json_schema", "json_schema": {"name": "forecast", "schema": SCHEMA}}
+
+    async def go():
+        async with app.router.lifespan_context(app):
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t",
+                                         timeout=60) as client:
+                ids = {}
+                for ch in "<{":
+                    r = await client.post("/tokenize", json={"prompt": ch, "add_special_tokens": False})
+                    ids[ch] = r.json()["tokens"][0]
+                out = {}
+                for ch in "<{":
+                    out[ch] = [(await client.post("/v1/chat/completions", json={
+                        "messages": MESSAGES, "response_format": fmt, "max_tokens": 60, "temperature": 1.0,
+                        "seed": seed, "logit_bias": {str(ids[ch]): 100}})).json()["choices"][0] for seed in range(3)]
+                return out
+
+    out = asyncio.run(go())
+    for choice in out["<"]:
+        assert choice["message"]["reasoning_content"] and not choice["message"]["content"]
+    for choice in out["{"]:
+        assert choice["finish_reason"] == "stop"
+        jsonschema.validate(json.loads(choice["message"]["content"]), SCHEMA)

@@ -209,3 +209,29 @@ def test_constrained_requests_survive_preemption(qwen2_dir, cache_dir):
     assert small.llm_engine.scheduler.num_preemptions > 0
     for o in outs:
         jsonschema.validate(json.loads(o.outputs[0].text), PERSON)
+
+
+def test_constraints_after_a_reasoning_block(llm):
+    """With a reasoning parser the answer is constrained after an optional <think> block."""
+    from anna.server.constraints import after_reasoning
+    from anna.server.tool_parsers import HermesToolParser
+
+    compiler, tok = llm.llm_engine.structured, llm.get_tokenizer()
+
+    def accepts(spec, text: str) -> bool:
+        matcher = compiler.new_matcher(spec)
+        return matcher.consume_tokens(tok.encode(text, add_special_tokens=False)) and matcher.is_accepting()
+
+    answer = '{"name": "Ada", "age": 36, "member": true, "tags": ["red"], "address": {"zip": "12345"}}'
+    spec = after_reasoning(StructuredOutputsParams(json=PERSON))
+    assert accepts(spec, "<think>\nfirst the name, then </ the rest\n</think>\n\n" + answer)
+    assert accepts(spec, answer)
+    assert not accepts(spec, "<think>plan</think>\nno JSON here")
+    assert not accepts(spec, "plain text")
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    calls = after_reasoning(StructuredOutputsParams(grammar=HermesToolParser.grammar(tools, parallel=False)))
+    call = '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>'
+    assert accepts(calls, "<think>which tool?</think>\n" + call) and accepts(calls, call)
+    assert not accepts(calls, "<think>which tool?</think>\nnone")
+    regex = StructuredOutputsParams(regex="[0-9]+")
+    assert after_reasoning(regex) is regex

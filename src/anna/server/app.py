@@ -23,7 +23,7 @@ from anna.runtime.engine import LLMEngine
 from anna.runtime.warmup import run_warmup
 from anna.server.async_engine import AsyncEngine, EngineDeadError
 from anna.server.chat import render_chat_request
-from anna.server.constraints import compile_constraint, forced_tool_constraint, request_constraint
+from anna.server.constraints import after_reasoning, compile_constraint, forced_tool_constraint, request_constraint
 from anna.server.metrics import EngineCollector, make_registry, render
 from anna.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                   SamplingFields, TokenizeRequest)
@@ -348,6 +348,8 @@ def create_app(settings: ResolvedSettings, *, load_in_background: bool = True) -
                                                       state.settings.tool_call_parser)
         else:
             spec, spec_field = request_constraint(req)
+        if spec is not None and state.settings.reasoning_parser != "none":
+            spec = after_reasoning(spec)
         prompt = render_chat_request(engine.tokenizer, req, tools)
         ids = engine.tokenizer.encode(prompt, add_special_tokens=False)
         top = (req.top_logprobs or 0) if req.logprobs else None

@@ -9,15 +9,38 @@ Sources, in order: a forced tool call (``tool_choice: "required"`` or a named fu
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
 from anna.core.sampling_params import StructuredOutputsParams
 from anna.runtime.engine import LLMEngine
+from anna.runtime.structured_output import JSON_OPTIONS
 from anna.server.protocol import APIError, SamplingFields
-from anna.server.tool_parsers import TOOL_PARSERS
+from anna.server.tool_parsers import TOOL_GRAMMAR_START, TOOL_PARSERS
 
 GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
                  "guided_grammar": "grammar"}
+
+
+# A reasoning model's <think>...</think> block, allowed before the constrained answer; its text is
+# free and ends at the first </think> (the rule's stop string), as the reasoning parser reads it.
+THINK_FIRST = ('start: think? answer\n'
+               'think: WS? "<think>" think_text WS?\n'
+               'think_text[stop="</think>"]: /(.|\\n)*/\n'
+               'WS: /[ \\t\\r\\n]+/\n')
+
+
+def after_reasoning(spec: StructuredOutputsParams) -> StructuredOutputsParams:
+    """The same constraint, applied after an optional reasoning block (--reasoning-parser): JSON
+    answers and forced tool calls; regexes, choices and user grammars are left as they are."""
+    if spec.json is not None or spec.json_object:
+        schema = {"type": "object"} if spec.json_object else spec.json
+        if isinstance(schema, dict):
+            schema = {**schema, "x-guidance": {**JSON_OPTIONS, **schema.get("x-guidance", {})}}
+        return StructuredOutputsParams(grammar=THINK_FIRST + f"answer: %json {json.dumps(schema)}\n")
+    if spec.grammar is not None and spec.grammar.startswith(TOOL_GRAMMAR_START):
+        return StructuredOutputsParams(grammar=THINK_FIRST + "answer" + spec.grammar[len("start"):])
+    return spec
 
 
 def forced_tool_constraint(tools: list[dict[str, Any]], parallel: bool,

@@ -156,6 +156,7 @@ class HermesToolParser:
 
 
 TOOL_PARSERS = {"hermes": HermesToolParser}
+TOOL_GRAMMAR_START = "start: call"  # how every parser's forced-call grammar begins
 
 
 class ToolCallStreamer:
