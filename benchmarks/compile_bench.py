@@ -23,23 +23,16 @@ from pathlib import Path
 def one_start(model: str, dtype: str, mode: str, cache_dir: str) -> dict:
     import torch
 
-    from anna import LLM, SamplingParams
+    from anna import LLM
+    from decode_bench import anna_run
 
     t0 = time.perf_counter()
     llm = LLM(model, dtype=dtype, compile_mode=mode, torchinductor_cache_dir=cache_dir, enable_prefix_caching=False)
     loaded = time.perf_counter() - t0
     g = torch.Generator().manual_seed(0)
-    engine = llm.llm_engine
 
     def run(prompt_len: int, new: int, rid: str) -> tuple[float, float]:
-        prompt = torch.randint(3, 700, (prompt_len,), generator=g).tolist()
-        start = time.perf_counter()
-        engine.add_request(rid, prompt, SamplingParams(temperature=0, max_tokens=new, ignore_eos=True))
-        stamps = []
-        while engine.has_unfinished_requests():
-            for _ in engine.step():
-                stamps.append(time.perf_counter())
-        return stamps[0] - start, (len(stamps) - 1) / (stamps[-1] - stamps[0])
+        return anna_run(llm, torch.randint(3, 700, (prompt_len,), generator=g).tolist(), new, rid)
 
     t0 = time.perf_counter()
     run(128, 16, "first")
