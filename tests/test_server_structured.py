@@ -192,3 +192,39 @@ def test_reasoning_server_constrains_the_answer_after_thinking(qwen2_dir, cache_
     for choice in out["{"]:
         assert choice["finish_reason"] == "stop"
         jsonschema.validate(json.loads(choice["message"]["content"]), SCHEMA)
+
+
+def test_concurrent_mixed_requests_all_follow_their_constraints(live_server):
+    """Constrained, forced-tool and free requests at once (so they share engine steps): each
+    output follows its own constraint, and the free ones are unaffected."""
+    import asyncio
+
+    client = openai.AsyncOpenAI(base_url=live_server + "/v1", api_key=SERVER_API_KEY, max_retries=0)
+    fmt = {"type": "json_schema", "json_schema": {"name": "forecast", "schema": SCHEMA}}
+
+    async def one(i: int):
+        kind = ("json", "tool", "free", "regex")[i % 4]
+        extra = {"json": {"response_format": fmt},
+                 "tool": {"tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": False},
+                 "free": {"max_tokens": 20, "extra_body": {"ignore_eos": True}},
+                 "regex": {"extra_body": {"guided_regex": "[a-z]{3}-[0-9]{2}"}}}[kind]
+        kw = {"model": SERVER_MODEL, "messages": MESSAGES, "temperature": 1.0, "seed": i, "max_tokens": 300, **extra}
+        return kind, await client.chat.completions.create(**kw)
+
+    async def run_all():
+        try:
+            return await asyncio.gather(*(one(i) for i in range(16)))
+        finally:
+            await client.close()
+
+    for kind, r in asyncio.run(run_all()):
+        choice = r.choices[0]
+        if kind == "json":
+            jsonschema.validate(json.loads(choice.message.content), SCHEMA)
+        elif kind == "tool":
+            assert choice.finish_reason == "tool_calls"
+            check_call(choice.message.tool_calls[0])
+        elif kind == "regex":
+            assert re.fullmatch("[a-z]{3}-[0-9]{2}", choice.message.content)
+        else:
+            assert choice.finish_reason == "length" and r.usage.completion_tokens == 20
