@@ -3,7 +3,7 @@
 llguidance computes the set of allowed next tokens from the grammar's parser state and the
 tokenizer's token trie at each step (tens of microseconds), with no per-grammar precomputation
 over the vocabulary, and its work per grammar and per step is bounded by fuel limits, so a hostile
-schema fails fast instead of stalling the engine. Compiled grammars are cached by their text; each
+schema costs a bounded time (or is refused) instead of stalling the engine. Compiled grammars are cached by their text; each
 sequence gets its own copy of the matcher, which tracks where in the grammar the sequence is.
 """
 
