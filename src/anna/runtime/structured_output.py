@@ -32,6 +32,14 @@ _SHIFTS = torch.arange(32, dtype=torch.int32)
 LEXER_FUEL = {"initial_lexer_fuel": 200_000, "step_lexer_fuel": 50_000}
 
 
+def json_schema_of(spec: StructuredOutputsParams) -> Any:
+    """The JSON schema a json / json_object constraint stands for, with Anna's JSON layout options."""
+    schema = {"type": "object"} if spec.json_object else spec.json
+    if isinstance(schema, dict):
+        schema = {**schema, "x-guidance": {**JSON_OPTIONS, **schema.get("x-guidance", {})}}
+    return schema
+
+
 class StructuredOutputCompiler:
     """Turns :class:`StructuredOutputsParams` into per-sequence grammar matchers."""
 
@@ -61,10 +69,7 @@ class StructuredOutputCompiler:
         import llguidance
 
         if spec.json is not None or spec.json_object:
-            schema = {"type": "object"} if spec.json_object else spec.json
-            if isinstance(schema, dict):
-                schema = {**schema, "x-guidance": {**JSON_OPTIONS, **schema.get("x-guidance", {})}}
-            return llguidance.LLMatcher.grammar_from_json_schema(schema)
+            return llguidance.LLMatcher.grammar_from_json_schema(json_schema_of(spec))
         if spec.choice is not None:
             return llguidance.grammar_from("choice", json.dumps(list(spec.choice)))
         if spec.regex is not None:

@@ -14,7 +14,7 @@ from typing import Any
 
 from anna.core.sampling_params import StructuredOutputsParams
 from anna.runtime.engine import LLMEngine
-from anna.runtime.structured_output import JSON_OPTIONS
+from anna.runtime.structured_output import json_schema_of
 from anna.server.protocol import APIError, SamplingFields
 from anna.server.tool_parsers import TOOL_GRAMMAR_START, TOOL_PARSERS
 
@@ -34,10 +34,7 @@ def after_reasoning(spec: StructuredOutputsParams) -> StructuredOutputsParams:
     """The same constraint, applied after an optional reasoning block (--reasoning-parser): JSON
     answers and forced tool calls; regexes, choices and user grammars are left as they are."""
     if spec.json is not None or spec.json_object:
-        schema = {"type": "object"} if spec.json_object else spec.json
-        if isinstance(schema, dict):
-            schema = {**schema, "x-guidance": {**JSON_OPTIONS, **schema.get("x-guidance", {})}}
-        return StructuredOutputsParams(grammar=THINK_FIRST + f"answer: %json {json.dumps(schema)}\n")
+        return StructuredOutputsParams(grammar=THINK_FIRST + f"answer: %json {json.dumps(json_schema_of(spec))}\n")
     if spec.grammar is not None and spec.grammar.startswith(TOOL_GRAMMAR_START):
         return StructuredOutputsParams(grammar=THINK_FIRST + "answer" + spec.grammar[len("start"):])
     return spec
