@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from anna.model.cpu_kernels import build_cpu_kernels
+from anna.model.linear import pack_rows
 from anna.model.quantization import quantize_int4, quantize_int8
 
 SHAPES = {"qkv": (1152, 896), "o": (896, 896), "gate_up": (9728, 896), "down": (896, 4864)}
@@ -61,11 +62,11 @@ def main() -> None:
         }
     else:
         strategies = {
-            "torch_native": lambda x, w: F.linear(x.to(dtype), w),
-            "torch_fp32_upcast": lambda x, w: F.linear(x, w.float()),
+            "torch_native": lambda x, w: F.linear(x.to(dtype), w[0]),
+            "torch_fp32_upcast": lambda x, w: F.linear(x, w[0].float()),
         }
-        if kernels is not None:
-            strategies["anna_gemv"] = lambda x, w: kernels.gemv(x, w, None)
+        if kernels is not None:  # w[1]: the same weight in the kernel's packed layout
+            strategies["anna_gemv"] = lambda x, w: kernels.gemv(x, w[1], None)
     bytes_per_weight = {"none": dtype.itemsize, "int8": 1, "int4": 0.5}[quant]
 
     def make(n: int, k: int):
@@ -74,11 +75,12 @@ def main() -> None:
             return quantize_int8(w)
         if quant == "int4":
             return quantize_int4(w, group)
-        return w.to(dtype)
+        w = w.to(dtype)
+        return w, pack_rows(w)
 
     rows = []
     for name, (n, k) in SHAPES.items():
-        copies = max(2, int((256 << 20) // (n * k * bytes_per_weight)))  # ~256 MiB of weights: beyond the caches
+        copies = max(2, int((256 << 20) // (n * k * bytes_per_weight)))  # ~256 MiB of weights (per layout)
         weights = [make(n, k) for _ in range(copies)]
         for m in MS:
             x = torch.randn(m, k)

@@ -21,6 +21,7 @@ SOURCES = [Path(__file__).parent / "kernels" / name
            for name in ("cpu_kernels.c", "quant_kernels.c", "decode_layers.c")]
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC"]
 WEIGHT_TYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
+UNPACK_SCRATCH_BYTES = 128 << 20
 
 
 def cpu_has_avx2() -> bool:
@@ -56,6 +57,7 @@ class CpuKernels:
         lib = ctypes.CDLL(str(library))
         p, i, l, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
         lib.anna_gemv.argtypes = [p, p, i, p, p, i, l, l, i]
+        lib.anna_unpack_rows.argtypes = [p, i, l, l, p, i]
         lib.anna_add_rmsnorm.argtypes = [p, p, p, i, p, l, l, f, i]
         lib.anna_rotary.argtypes = [p, l, l, l, l, p, p, p]
         lib.anna_paged_decode_attention.argtypes = [p, p, p, p, l, p, l, l, l, l, l, l, f, p, i]
@@ -63,17 +65,20 @@ class CpuKernels:
         lib.anna_dequant.argtypes = [p, p, i, l, p, l, l, p, i]
         lib.anna_decode_layers.argtypes = [ctypes.POINTER(AnnaLayer), l, p, l, l, l, l, l, l, f, p, p, p, l, p, l, l,
                                            f, p, p, p, p, i]
-        for fn in (lib.anna_gemv, lib.anna_add_rmsnorm, lib.anna_rotary, lib.anna_paged_decode_attention,
+        for fn in (lib.anna_gemv, lib.anna_unpack_rows, lib.anna_add_rmsnorm, lib.anna_rotary, lib.anna_paged_decode_attention,
                    lib.anna_qgemm, lib.anna_dequant, lib.anna_decode_layers):
             fn.restype = None
         self.lib = lib
+        self._scratch = torch.empty(0, dtype=torch.float32)  # see unpack_rows
 
     @staticmethod
     def supports_weight(weight: torch.Tensor) -> bool:
-        return weight.dtype in WEIGHT_TYPES and weight.is_contiguous() and weight.device.type == "cpu"
+        return (weight.dtype in WEIGHT_TYPES and weight.dim() == 2 and weight.shape[1] % 8 == 0
+                and weight.is_contiguous() and weight.device.type == "cpu")
 
     def gemv(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """y = x W^T (+ b) for a few rows of x, reading each weight row once for all of them."""
+        """y = x W^T (+ b) for a few rows of x, reading each weight row once for all of them.
+        ``weight`` must be in linear.pack_rows' layout."""
         k = x.shape[-1]
         x2 = x.reshape(-1, k).float().contiguous()
         rows, n = x2.shape[0], weight.shape[0]
@@ -82,6 +87,21 @@ class CpuKernels:
         self.lib.anna_gemv(x2.data_ptr(), weight.data_ptr(), WEIGHT_TYPES[weight.dtype], _ptr(b), y.data_ptr(),
                            rows, n, k, torch.get_num_threads())
         return y.view(*x.shape[:-1], n)
+
+    def unpack_rows(self, weight: torch.Tensor) -> torch.Tensor:
+        """fp32 row-major copy of a weight in linear.pack_rows' layout, for one matmul: weights up to
+        UNPACK_SCRATCH_BYTES land in one reused buffer (valid until the next call), because filling
+        freshly allocated pages costs the kernel's own time several times over."""
+        n, k = weight.shape
+        if n * k * 4 <= UNPACK_SCRATCH_BYTES:
+            if self._scratch.numel() < n * k:
+                self._scratch = torch.empty(n * k, dtype=torch.float32)
+            out = self._scratch[:n * k].view(n, k)
+        else:
+            out = torch.empty(n, k, dtype=torch.float32)
+        self.lib.anna_unpack_rows(weight.data_ptr(), WEIGHT_TYPES[weight.dtype], n, k, out.data_ptr(),
+                                  torch.get_num_threads())
+        return out
 
     def qgemm(self, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, kind: int, group: int,
               bias: torch.Tensor | None) -> torch.Tensor:

@@ -4,6 +4,10 @@ On CPU, decode-sized matmuls (M <= ``cpu_gemv_max_rows``) go to Anna's weight-st
 which reads each weight row once for all rows of x. Larger half-precision matmuls are upcast to
 fp32: torch's bf16/fp16 GEMM on CPUs without native half-precision matrix instructions is
 several times slower than its fp32 GEMM. benchmarks/matmul_routing.py measures the crossovers.
+
+When Anna's kernel serves a Linear, its weight is stored packed (``pack_rows``): blocks of 4
+rows whose columns interleave in chunks of 8, so that the kernel streams one contiguous block
+instead of four short rows (about 20% more memory bandwidth at K = 896 on a 2-core Zen 3).
 """
 
 from __future__ import annotations
@@ -38,6 +42,37 @@ class KernelPolicy:
     fused_decode: bool = True  # decode-only CPU steps run the whole decoder stack in one C call
 
 
+PACK_ROWS, PACK_COLS = 4, 8  # the block shape of cpu_kernels.c's weight layout
+
+
+def pack_rows(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] row-major -> the kernel's layout: for each block of 4 rows, K/8 chunks of (4 rows x 8
+    columns); the last N % 4 rows stay row-major at the end. Same shape, dtype and values."""
+    n, k = weight.shape
+    full = n - n % PACK_ROWS
+    out = torch.empty_like(weight)
+    out[:full].view(full // PACK_ROWS, k // PACK_COLS, PACK_ROWS, PACK_COLS).copy_(
+        weight[:full].view(full // PACK_ROWS, PACK_ROWS, k // PACK_COLS, PACK_COLS).transpose(1, 2))
+    out[full:] = weight[full:]
+    return out
+
+
+def gather_packed_rows(packed: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Rows of a packed weight, row-major, shaped [*rows.shape, K] (embedding lookups)."""
+    n, k = packed.shape
+    full = n - n % PACK_ROWS
+    blocks = packed[:full].view(full // PACK_ROWS, k // PACK_COLS, PACK_ROWS, PACK_COLS)
+    flat = rows.reshape(-1).long()
+    out = packed.new_empty(flat.numel(), k)
+    in_blocks = flat < full
+    if in_blocks.any():
+        r = flat[in_blocks]
+        out[in_blocks] = blocks[r // PACK_ROWS, :, r % PACK_ROWS].reshape(-1, k)
+    if not in_blocks.all():  # rows of the row-major tail
+        out[~in_blocks] = packed[flat[~in_blocks]]
+    return out.view(*rows.shape, k)
+
+
 def profiled(policy: KernelPolicy, name: str) -> ContextManager:
     """A --profile-runtime region, or nothing."""
     return nullcontext() if policy.profiler is None else policy.profiler.region(name)
@@ -60,6 +95,7 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(self.out_features, dtype=dtype), requires_grad=False) if bias else None
         self.policy = policy
         self.profile_name: str | None = None  # region name under --profile-runtime (default: the route)
+        self.packed = False  # weight in pack_rows' layout, for Anna's CPU kernel
 
     def shard_slice(self, shard: int) -> slice:
         start = sum(self.shard_sizes[:shard])
@@ -72,15 +108,31 @@ class Linear(nn.Module):
         check_shape(name, where, tuple(dest.shape), tuple(tensor.shape))
         dest.copy_(tensor)
 
+    def pack_for_cpu_kernel(self) -> None:
+        """Store the weight in the layout Anna's CPU kernel reads (once, after loading). A tied
+        embedding shares this tensor: it reads its rows with ``weight_rows``."""
+        if self.packed or self.policy.cpu is None or not self.policy.cpu.supports_weight(self.weight):
+            return
+        self.weight.data = pack_rows(self.weight.data)
+        self.packed = True
+
+    def weight_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """Rows of the weight, row-major, whatever its layout (embedding lookups of a tied lm_head)."""
+        return gather_packed_rows(self.weight, rows) if self.packed else self.weight[rows]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w, policy = self.weight, self.policy
         if x.device.type != "cpu":
             with profiled(policy, self.profile_name or "matmul:torch"):
                 return F.linear(x, w, self.bias)
         rows = x.numel() // x.shape[-1]
-        if policy.cpu is not None and rows <= policy.cpu_gemv_max_rows and policy.cpu.supports_weight(w):
+        if self.packed and rows <= policy.cpu_gemv_max_rows:
             with profiled(policy, self.profile_name or "matmul:anna_gemv"):
                 return policy.cpu.gemv(x, w, self.bias).to(x.dtype)
+        if self.packed:  # a large M: torch's GEMM on the row-major weight, upcast to fp32 on the way
+            with profiled(policy, self.profile_name or "matmul:torch_fp32_upcast"):
+                bias = None if self.bias is None else self.bias.float()
+                return F.linear(x.float(), policy.cpu.unpack_rows(w), bias).to(x.dtype)
         if w.dtype == x.dtype:
             with profiled(policy, self.profile_name or "matmul:torch"):
                 return F.linear(x, w, self.bias)

@@ -15,7 +15,7 @@ from torch import nn
 
 from anna.model.attention import AttentionMetadata, paged_attention
 from anna.model.config import ModelConfig
-from anna.model.cpu_kernels import WEIGHT_TYPES, AnnaLayer, AnnaLinear, CpuKernels
+from anna.model.cpu_kernels import WEIGHT_TYPES, AnnaLayer, AnnaLinear
 from anna.model.layers import GatedMLP, RMSNorm, RopeBatch, RotaryEmbedding, apply_rotary
 from anna.model.linear import (DEFAULT_POLICY, KernelPolicy, Linear, QuantLinear, check_shape, make_linear,
                                profiled)
@@ -115,6 +115,8 @@ class LlamaForCausalLM(nn.Module):
         """A fresh tensor (the residual stream may be updated in place)."""
         if self.embed_tokens is None:
             return self.lm_head.dequantized(input_ids).to(self.activation_dtype)
+        if self.config.tie_word_embeddings:  # the lm_head's weight, in the lm_head's layout
+            return self.lm_head.weight_rows(input_ids).to(self.activation_dtype)
         return self.embed_tokens[input_ids].to(self.activation_dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
@@ -210,6 +212,12 @@ class LlamaForCausalLM(nn.Module):
                 targets["model.embed_tokens.weight"] = loader
         return targets
 
+    def pack_for_cpu_kernels(self) -> None:
+        """After loading: store the weights Anna's CPU kernel serves in the layout it reads."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.pack_for_cpu_kernel()
+
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]], where: str) -> set[str]:
         """Load checkpoint tensors (converting or quantizing them); return the names consumed."""
         targets = self.checkpoint_targets()
@@ -226,7 +234,7 @@ class LlamaForCausalLM(nn.Module):
 def _fusable_linear(lin: Linear | QuantLinear) -> bool:
     if isinstance(lin, QuantLinear):
         return lin.qweight.is_contiguous()
-    return CpuKernels.supports_weight(lin.weight)
+    return lin.packed
 
 
 def _describe_linear(desc: AnnaLinear, lin: Linear | QuantLinear, keep: list[torch.Tensor]) -> None:
