@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from anna.model.cpu_kernels import build_cpu_kernels
-from anna.model.linear import pack_rows
+from anna.model.linear import interleave_rows
 from anna.model.quantization import quantize_int4, quantize_int8
 
 SHAPES = {"qkv": (1152, 896), "o": (896, 896), "gate_up": (9728, 896), "down": (896, 4864)}
@@ -65,18 +65,20 @@ def main() -> None:
             "torch_native": lambda x, w: F.linear(x.to(dtype), w[0]),
             "torch_fp32_upcast": lambda x, w: F.linear(x, w[0].float()),
         }
-        if kernels is not None:  # w[1]: the same weight in the kernel's packed layout
+        if kernels is not None:  # w[1]: the same weight with rows interleaved, as the kernel reads it
             strategies["anna_gemv"] = lambda x, w: kernels.gemv(x, w[1], None)
     bytes_per_weight = {"none": dtype.itemsize, "int8": 1, "int4": 0.5}[quant]
 
     def make(n: int, k: int):
         w = torch.randn(n, k)
-        if quant == "int8":
-            return quantize_int8(w)
+        if quant == "int8":  # values and scales as the kernels read them (QuantLinear.interleave_for_cpu_kernel)
+            q, scale = quantize_int8(w)
+            return interleave_rows(q, 32), scale
         if quant == "int4":
-            return quantize_int4(w, group)
+            q, scale = quantize_int4(w, group)
+            return interleave_rows(q, 16), interleave_rows(scale, 1)
         w = w.to(dtype)
-        return w, pack_rows(w)
+        return w, interleave_rows(w)
 
     rows = []
     for name, (n, k) in SHAPES.items():

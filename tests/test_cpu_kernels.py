@@ -1,4 +1,4 @@
-"""Anna's float matmul kernel and its packed weight layout, against torch, at every M the
+"""Anna's float matmul kernel and its interleaved weight layout, against torch, at every M the
 routing can send it (1 to cpu_gemv_max_rows) and with rows that do not fill a block."""
 
 import pytest
@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from anna.model.cpu_kernels import build_cpu_kernels
-from anna.model.linear import KernelPolicy, Linear, gather_packed_rows, pack_rows
+from anna.model.linear import KernelPolicy, Linear, gather_interleaved_rows, interleave_rows
 
 
 @pytest.fixture(scope="module")
@@ -19,12 +19,12 @@ def kernels(cache_dir):
 @pytest.mark.parametrize("n", [64, 67])  # 67: three rows past the last full block of 4
 def test_pack_rows_round_trip_and_row_lookup(kernels, n):
     w = torch.randn(n, 40).to(torch.bfloat16)
-    packed = pack_rows(w)
+    packed = interleave_rows(w)
     assert not torch.equal(packed[:4], w[:4])  # the layout really changes
-    assert torch.equal(kernels.unpack_rows(packed), w.float())
-    assert torch.equal(gather_packed_rows(packed, torch.arange(n)), w)
+    assert torch.equal(kernels.deinterleave(packed), w.float())
+    assert torch.equal(gather_interleaved_rows(packed, torch.arange(n)), w)
     ids = torch.tensor([[0, 5, n - 1], [n - 2, 3, 63]])
-    assert torch.equal(gather_packed_rows(packed, ids), w[ids])
+    assert torch.equal(gather_interleaved_rows(packed, ids), w[ids])
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
@@ -33,7 +33,7 @@ def test_gemv_matches_torch_at_every_m(kernels, dtype, n, k):
     torch.manual_seed(0)
     w = torch.randn(n, k).to(dtype)
     bias = torch.randn(n)
-    packed = pack_rows(w)
+    packed = interleave_rows(w)
     for m in [1, 2, 3, 4, 5, 6, 7, 8, 13, 16, 31, 64, 128]:
         x = torch.randn(m, k)
         got = kernels.gemv(x, packed, bias)
@@ -42,7 +42,7 @@ def test_gemv_matches_torch_at_every_m(kernels, dtype, n, k):
 
 
 def test_linear_packs_once_and_serves_every_route(kernels):
-    """A packed Linear gives torch's result through the kernel (small M) and through the fp32
+    """An interleaved Linear gives torch's result through the kernel (small M) and through the fp32
     GEMM on the unpacked weight (M above cpu_gemv_max_rows)."""
     torch.manual_seed(1)
     lin = Linear(64, [48, 20], bias=True, dtype=torch.bfloat16,
@@ -50,9 +50,9 @@ def test_linear_packs_once_and_serves_every_route(kernels):
     w = torch.randn(68, 64).to(torch.bfloat16)
     lin.weight.data.copy_(w)
     lin.bias.data.normal_()
-    lin.pack_for_cpu_kernel()
-    lin.pack_for_cpu_kernel()  # idempotent
-    assert lin.packed and not torch.equal(lin.weight, w)
+    lin.interleave_for_cpu_kernel()
+    lin.interleave_for_cpu_kernel()  # idempotent
+    assert lin.interleaved and not torch.equal(lin.weight, w)
     for m in (1, 8, 9, 40):
         x = torch.randn(m, 64)
         want = F.linear(x, w.float(), lin.bias.float())

@@ -48,7 +48,8 @@ def test_int8_quantization_error_is_bounded():
     assert ((dequantize_int8(q, scale) - w).abs() <= scale[:, None] / 2 + 1e-6).all()
 
 
-def make_layer(kind: str, group: int, kernels, strategy: str, out_features=(70, 30), k=256) -> QuantLinear:
+def make_layer(kind: str, group: int, kernels, strategy: str, out_features=(70, 29), k=256) -> QuantLinear:
+    """A loaded layer, still row-major (99 rows: 24 blocks of 4 for the kernels and 3 tail rows)."""
     policy = KernelPolicy(cpu=kernels, quantization=kind, int4_group_size=group, int4_matmul=strategy,
                           int4_gemv_m_threshold=4)
     layer = QuantLinear(k, list(out_features), bias=True, dtype=torch.float32, policy=policy)
@@ -66,6 +67,10 @@ def test_every_strategy_matches_the_dequantized_reference(kind, group, strategy,
                        "auto" if strategy == "no_kernels" else strategy)
     ref_w = (dequantize_int8(layer.qweight, layer.scales) if kind == "int8"
              else dequantize_int4(layer.qweight, layer.scales, group))
+    layer.interleave_for_cpu_kernel()
+    assert layer.interleaved == (strategy != "no_kernels")
+    rows = torch.tensor([0, 5, 97, 98])  # embedding lookups: in blocks and in the tail
+    torch.testing.assert_close(layer.dequantized(rows), ref_w[rows])
     for m in [1, 2, 3, 4, 5, 8, 16, 33]:
         x = torch.randn(m, 256)
         ref = x @ ref_w.t() + layer.bias
@@ -78,6 +83,7 @@ def test_every_strategy_matches_the_dequantized_reference(kind, group, strategy,
 
 def test_auto_routes_by_m(kernels):
     layer = make_layer("int4", 32, kernels, "auto")
+    layer.interleave_for_cpu_kernel()
     assert layer.uses_packed_kernel(4) and not layer.uses_packed_kernel(5)
     layer.policy.int4_gemv_m_threshold = 0
     assert not layer.uses_packed_kernel(1)  # 0 means always dequant

@@ -57,15 +57,15 @@ class CpuKernels:
         lib = ctypes.CDLL(str(library))
         p, i, l, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
         lib.anna_gemv.argtypes = [p, p, i, p, p, i, l, l, i]
-        lib.anna_unpack_rows.argtypes = [p, i, l, l, p, i]
+        lib.anna_deinterleave_rows.argtypes = [p, i, l, l, p, i]
         lib.anna_add_rmsnorm.argtypes = [p, p, p, i, p, l, l, f, i]
         lib.anna_rotary.argtypes = [p, l, l, l, l, p, p, p]
         lib.anna_paged_decode_attention.argtypes = [p, p, p, p, l, p, l, l, l, l, l, l, f, p, i]
         lib.anna_qgemm.argtypes = [p, p, p, i, l, p, p, l, l, l, i]
-        lib.anna_dequant.argtypes = [p, p, i, l, p, l, l, p, i]
+        lib.anna_dequant.argtypes = [p, p, i, l, p, l, l, l, p, i]
         lib.anna_decode_layers.argtypes = [ctypes.POINTER(AnnaLayer), l, p, l, l, l, l, l, l, f, p, p, p, l, p, l, l,
                                            f, p, p, p, p, i]
-        for fn in (lib.anna_gemv, lib.anna_unpack_rows, lib.anna_add_rmsnorm, lib.anna_rotary, lib.anna_paged_decode_attention,
+        for fn in (lib.anna_gemv, lib.anna_deinterleave_rows, lib.anna_add_rmsnorm, lib.anna_rotary, lib.anna_paged_decode_attention,
                    lib.anna_qgemm, lib.anna_dequant, lib.anna_decode_layers):
             fn.restype = None
         self.lib = lib
@@ -78,7 +78,7 @@ class CpuKernels:
 
     def gemv(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """y = x W^T (+ b) for a few rows of x, reading each weight row once for all of them.
-        ``weight`` must be in linear.pack_rows' layout."""
+        ``weight`` must be in linear.interleave_rows' layout."""
         k = x.shape[-1]
         x2 = x.reshape(-1, k).float().contiguous()
         rows, n = x2.shape[0], weight.shape[0]
@@ -88,24 +88,28 @@ class CpuKernels:
                            rows, n, k, torch.get_num_threads())
         return y.view(*x.shape[:-1], n)
 
-    def unpack_rows(self, weight: torch.Tensor) -> torch.Tensor:
-        """fp32 row-major copy of a weight in linear.pack_rows' layout, for one matmul: weights up to
-        UNPACK_SCRATCH_BYTES land in one reused buffer (valid until the next call), because filling
-        freshly allocated pages costs the kernel's own time several times over."""
+    def _matmul_operand(self, n: int, k: int) -> torch.Tensor:
+        """An fp32 [n, k] buffer for a weight that one matmul reads and drops: weights up to
+        UNPACK_SCRATCH_BYTES share one reused buffer (valid until the next call), because filling
+        freshly allocated pages costs several times the conversion itself."""
+        if n * k * 4 > UNPACK_SCRATCH_BYTES:
+            return torch.empty(n, k, dtype=torch.float32)
+        if self._scratch.numel() < n * k:
+            self._scratch = torch.empty(n * k, dtype=torch.float32)
+        return self._scratch[:n * k].view(n, k)
+
+    def deinterleave(self, weight: torch.Tensor) -> torch.Tensor:
+        """fp32 row-major copy of a weight in linear.interleave_rows' layout, for one matmul."""
         n, k = weight.shape
-        if n * k * 4 <= UNPACK_SCRATCH_BYTES:
-            if self._scratch.numel() < n * k:
-                self._scratch = torch.empty(n * k, dtype=torch.float32)
-            out = self._scratch[:n * k].view(n, k)
-        else:
-            out = torch.empty(n, k, dtype=torch.float32)
-        self.lib.anna_unpack_rows(weight.data_ptr(), WEIGHT_TYPES[weight.dtype], n, k, out.data_ptr(),
+        out = self._matmul_operand(n, k)
+        self.lib.anna_deinterleave_rows(weight.data_ptr(), WEIGHT_TYPES[weight.dtype], n, k, out.data_ptr(),
                                   torch.get_num_threads())
         return out
 
     def qgemm(self, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, kind: int, group: int,
               bias: torch.Tensor | None) -> torch.Tensor:
-        """y = x dequant(W)^T (+ b) from int8 (kind 0) or packed int4 (kind 1) weights."""
+        """y = x dequant(W)^T (+ b) from int8 (kind 0) or int4 (kind 1) weights in linear.interleave_rows'
+        layout (QuantLinear.interleave_for_cpu_kernel)."""
         k = x.shape[-1]
         x2 = x.reshape(-1, k).float().contiguous()
         rows, n = x2.shape[0], qweight.shape[0]
@@ -117,12 +121,17 @@ class CpuKernels:
 
     def dequant(self, qweight: torch.Tensor, scales: torch.Tensor, kind: int, group: int, k: int,
                 rows: torch.Tensor | None = None) -> torch.Tensor:
-        """fp32 weights of the given rows (all rows when None)."""
-        count = qweight.shape[0] if rows is None else rows.numel()
-        out = torch.empty(count, k, dtype=torch.float32)
-        idx = None if rows is None else rows.to(torch.long).contiguous()
-        self.lib.anna_dequant(qweight.data_ptr(), scales.data_ptr(), kind, group, _ptr(idx), count, k, out.data_ptr(),
-                              torch.get_num_threads())
+        """fp32 row-major weights of the given rows of an interleaved quantized weight: all rows (for one
+        matmul, see _matmul_operand) when None."""
+        n = qweight.shape[0]
+        if rows is None:
+            count, idx, out = n, None, self._matmul_operand(n, k)
+        else:
+            idx = rows.to(torch.long).reshape(-1).contiguous()
+            count = idx.numel()
+            out = torch.empty(count, k, dtype=torch.float32)
+        self.lib.anna_dequant(qweight.data_ptr(), scales.data_ptr(), kind, group, _ptr(idx), count, n, k,
+                              out.data_ptr(), torch.get_num_threads())
         return out
 
     def decode_layers(self, layers: ctypes.Array, embeddings: torch.Tensor, *, heads: int, kv_heads: int,

@@ -5,9 +5,10 @@ which reads each weight row once for all rows of x. Larger half-precision matmul
 fp32: torch's bf16/fp16 GEMM on CPUs without native half-precision matrix instructions is
 several times slower than its fp32 GEMM. benchmarks/matmul_routing.py measures the crossovers.
 
-When Anna's kernel serves a Linear, its weight is stored packed (``pack_rows``): blocks of 4
-rows whose columns interleave in chunks of 8, so that the kernel streams one contiguous block
-instead of four short rows (about 20% more memory bandwidth at K = 896 on a 2-core Zen 3).
+When Anna's kernels serve a layer, its weight is stored with rows interleaved (``interleave_rows``):
+blocks of 4 rows whose columns alternate in chunks (8 values; int8/int4: 32 weights), so that the
+kernel streams one contiguous block instead of four short rows (about 20% more memory bandwidth
+at K = 896 on a 2-core Zen 3).
 """
 
 from __future__ import annotations
@@ -42,23 +43,23 @@ class KernelPolicy:
     fused_decode: bool = True  # decode-only CPU steps run the whole decoder stack in one C call
 
 
-PACK_ROWS, PACK_COLS = 4, 8  # the block shape of cpu_kernels.c's weight layout
+PACK_ROWS, PACK_COLS = 4, 8  # cpu_kernels.c's block: 4 rows, columns in chunks of 8 values
 
 
-def pack_rows(weight: torch.Tensor) -> torch.Tensor:
-    """[N, K] row-major -> the kernel's layout: for each block of 4 rows, K/8 chunks of (4 rows x 8
-    columns); the last N % 4 rows stay row-major at the end. Same shape, dtype and values."""
-    n, k = weight.shape
+def interleave_rows(weight: torch.Tensor, chunk: int = PACK_COLS) -> torch.Tensor:
+    """[N, C] row-major -> the kernels' layout: for each block of 4 rows, C/chunk chunks of (4 rows
+    x chunk columns); the last N % 4 rows stay row-major at the end. Same shape, dtype and values."""
+    n, c = weight.shape
     full = n - n % PACK_ROWS
     out = torch.empty_like(weight)
-    out[:full].view(full // PACK_ROWS, k // PACK_COLS, PACK_ROWS, PACK_COLS).copy_(
-        weight[:full].view(full // PACK_ROWS, PACK_ROWS, k // PACK_COLS, PACK_COLS).transpose(1, 2))
+    out[:full].view(full // PACK_ROWS, c // chunk, PACK_ROWS, chunk).copy_(
+        weight[:full].view(full // PACK_ROWS, PACK_ROWS, c // chunk, chunk).transpose(1, 2))
     out[full:] = weight[full:]
     return out
 
 
-def gather_packed_rows(packed: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """Rows of a packed weight, row-major, shaped [*rows.shape, K] (embedding lookups)."""
+def gather_interleaved_rows(packed: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Rows of an interleaved weight, row-major, shaped [*rows.shape, K] (embedding lookups)."""
     n, k = packed.shape
     full = n - n % PACK_ROWS
     blocks = packed[:full].view(full // PACK_ROWS, k // PACK_COLS, PACK_ROWS, PACK_COLS)
@@ -95,7 +96,7 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(self.out_features, dtype=dtype), requires_grad=False) if bias else None
         self.policy = policy
         self.profile_name: str | None = None  # region name under --profile-runtime (default: the route)
-        self.packed = False  # weight in pack_rows' layout, for Anna's CPU kernel
+        self.interleaved = False  # weight in interleave_rows' layout, for Anna's CPU kernel
 
     def shard_slice(self, shard: int) -> slice:
         start = sum(self.shard_sizes[:shard])
@@ -108,17 +109,17 @@ class Linear(nn.Module):
         check_shape(name, where, tuple(dest.shape), tuple(tensor.shape))
         dest.copy_(tensor)
 
-    def pack_for_cpu_kernel(self) -> None:
+    def interleave_for_cpu_kernel(self) -> None:
         """Store the weight in the layout Anna's CPU kernel reads (once, after loading). A tied
         embedding shares this tensor: it reads its rows with ``weight_rows``."""
-        if self.packed or self.policy.cpu is None or not self.policy.cpu.supports_weight(self.weight):
+        if self.interleaved or self.policy.cpu is None or not self.policy.cpu.supports_weight(self.weight):
             return
-        self.weight.data = pack_rows(self.weight.data)
-        self.packed = True
+        self.weight.data = interleave_rows(self.weight.data)
+        self.interleaved = True
 
     def weight_rows(self, rows: torch.Tensor) -> torch.Tensor:
         """Rows of the weight, row-major, whatever its layout (embedding lookups of a tied lm_head)."""
-        return gather_packed_rows(self.weight, rows) if self.packed else self.weight[rows]
+        return gather_interleaved_rows(self.weight, rows) if self.interleaved else self.weight[rows]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w, policy = self.weight, self.policy
@@ -126,13 +127,13 @@ class Linear(nn.Module):
             with profiled(policy, self.profile_name or "matmul:torch"):
                 return F.linear(x, w, self.bias)
         rows = x.numel() // x.shape[-1]
-        if self.packed and rows <= policy.cpu_gemv_max_rows:
+        if self.interleaved and rows <= policy.cpu_gemv_max_rows:
             with profiled(policy, self.profile_name or "matmul:anna_gemv"):
                 return policy.cpu.gemv(x, w, self.bias).to(x.dtype)
-        if self.packed:  # a large M: torch's GEMM on the row-major weight, upcast to fp32 on the way
+        if self.interleaved:  # a large M: torch's GEMM on the row-major weight, upcast to fp32 on the way
             with profiled(policy, self.profile_name or "matmul:torch_fp32_upcast"):
                 bias = None if self.bias is None else self.bias.float()
-                return F.linear(x.float(), policy.cpu.unpack_rows(w), bias).to(x.dtype)
+                return F.linear(x.float(), policy.cpu.deinterleave(w), bias).to(x.dtype)
         if w.dtype == x.dtype:
             with profiled(policy, self.profile_name or "matmul:torch"):
                 return F.linear(x, w, self.bias)
@@ -180,8 +181,19 @@ class QuantLinear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(n, dtype=dtype), requires_grad=False) if bias else None
         self.policy = policy
         self.profile_name: str | None = None
+        self.interleaved = False  # qweight/scales in interleave_rows' layout, for Anna's CPU kernels
 
     shard_slice = Linear.shard_slice
+
+    def interleave_for_cpu_kernel(self) -> None:
+        """Store values and scales in the layout quant_kernels.c reads (once, after loading): rows
+        in blocks of 4 alternating every 32 weights, int4 group scales alternating every group."""
+        if self.interleaved or self.policy.cpu is None or self.qweight.device.type != "cpu":
+            return
+        self.qweight.data = interleave_rows(self.qweight.data, 32 if self.kind == 0 else 16)
+        if self.kind == 1:
+            self.scales.data = interleave_rows(self.scales.data, 1)
+        self.interleaved = True
 
     def load(self, kind: str, shard: int, tensor: torch.Tensor, name: str, where: str) -> None:
         rows = self.shard_slice(shard)
@@ -199,16 +211,15 @@ class QuantLinear(nn.Module):
 
     def dequantized(self, rows: torch.Tensor | None = None) -> torch.Tensor:
         """fp32 weights (of the given rows): the dense fallback, and embedding lookups."""
-        cpu = self.policy.cpu
-        if cpu is not None and self.qweight.device.type == "cpu":
-            return cpu.dequant(self.qweight, self.scales, self.kind, self.group, self.in_features, rows)
+        if self.interleaved:
+            return self.policy.cpu.dequant(self.qweight, self.scales, self.kind, self.group, self.in_features, rows)
         q = self.qweight if rows is None else self.qweight[rows]
         s = self.scales if rows is None else self.scales[rows]
         return dequantize_int8(q, s) if self.kind == 0 else dequantize_int4(q, s, self.group)
 
     def uses_packed_kernel(self, rows: int) -> bool:
         p = self.policy
-        if p.cpu is None or self.qweight.device.type != "cpu":
+        if not self.interleaved:
             return False
         if self.kind == 0:
             return rows <= p.cpu_gemv_max_rows

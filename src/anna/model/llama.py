@@ -142,7 +142,7 @@ class LlamaForCausalLM(nn.Module):
                 or kv_caches[0][0].dtype != torch.float32):
             return False
         if getattr(self, "_fusable", None) is None:
-            self._fusable = all(_fusable_linear(lin) for layer in self.layers
+            self._fusable = all(lin.interleaved for layer in self.layers
                                 for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                                             layer.mlp.gate_up_proj, layer.mlp.down_proj))
         if not self._fusable:
@@ -212,11 +212,11 @@ class LlamaForCausalLM(nn.Module):
                 targets["model.embed_tokens.weight"] = loader
         return targets
 
-    def pack_for_cpu_kernels(self) -> None:
+    def interleave_for_cpu_kernels(self) -> None:
         """After loading: store the weights Anna's CPU kernel serves in the layout it reads."""
         for module in self.modules():
-            if isinstance(module, Linear):
-                module.pack_for_cpu_kernel()
+            if isinstance(module, (Linear, QuantLinear)):
+                module.interleave_for_cpu_kernel()
 
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]], where: str) -> set[str]:
         """Load checkpoint tensors (converting or quantizing them); return the names consumed."""
@@ -229,12 +229,6 @@ class LlamaForCausalLM(nn.Module):
             target(tensor, name, where)
             loaded.add(name)
         return loaded
-
-
-def _fusable_linear(lin: Linear | QuantLinear) -> bool:
-    if isinstance(lin, QuantLinear):
-        return lin.qweight.is_contiguous()
-    return lin.packed
 
 
 def _describe_linear(desc: AnnaLinear, lin: Linear | QuantLinear, keep: list[torch.Tensor]) -> None:

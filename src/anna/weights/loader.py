@@ -90,6 +90,7 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, *, dtype: torch.dtype, d
         state = int4_cache_mod.load_entry(entry, cache.load_workers)
         if state is not None:
             model.load_state_dict(state, strict=True)
+            model.interleave_for_cpu_kernels()
             log.info("Loaded the int4 layout from %s in %.2f s", entry, time.perf_counter() - start)
             return model
     needed = set(model.checkpoint_targets())
@@ -111,7 +112,6 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, *, dtype: torch.dtype, d
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise ModelLoadError(f"{model_dir}: checkpoint is missing tensors: {shown}")
-    model.pack_for_cpu_kernels()
     elapsed = time.perf_counter() - start
     tensors = {id(t): t for t in [*model.parameters(), *model.buffers(recurse=True)]}.values()
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
@@ -122,4 +122,5 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, *, dtype: torch.dtype, d
             log.info("Saved the int4 layout cache to %s", entry)
         except OSError as exc:
             log.warning("Could not write the int4 layout cache to %s (%s)", entry, exc)
+    model.interleave_for_cpu_kernels()  # after the cache took the row-major layout it stores
     return model

@@ -13,12 +13,12 @@
 
 #define INLINE static inline __attribute__((always_inline))
 
-/* Weight layout ("packed rows"): the kernels read W as blocks of PACK_ROWS consecutive rows; in a
+/* Weight layout ("interleaved rows"): the kernels read W as blocks of PACK_ROWS consecutive rows; in a
  * block, columns come in chunks of 8, and each chunk holds those 8 columns of row 0, then of row
  * 1, 2, 3. A block is one contiguous stream of 4 * K values, which keeps the memory system busier
  * than four separate rows when rows are short (K = 896: 1,792 bytes), and each step of the kernels
  * reads one 64-byte line of bf16 weights. The last N % 4 rows, if any, follow row-major.
- * Python packs a weight once, after loading (linear.py: pack_rows). K must be a multiple of 8. */
+ * Python packs a weight once, after loading (linear.py: interleave_rows). K must be a multiple of 8. */
 #define PACK_ROWS 4
 #define PREFETCH_BYTES 1024  /* how far ahead of the current weight line to prefetch */
 
@@ -52,7 +52,7 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(lo);
 }
 
-/* One packed block (4 rows of W, in type st, starting at blk) against MM rows of x (K apart):
+/* One block (4 rows of W, in type st, starting at blk) against MM rows of x (K apart):
  * y[m * N + n + r] for r < 4, m < MM. 4 x MM accumulators stay in registers; `prefetch` asks for
  * the weight lines PREFETCH_BYTES ahead (streaming from memory, not re-reading a block in L1). */
 #define DEFINE_BLOCK(MM)                                                                                     \
@@ -119,29 +119,29 @@ INLINE void run_tail(const float *x, const void *w, int wtype, const float *bias
         }
 }
 
-/* y[M, N] = x[M, K] . W^T (+ bias) with W packed (see above). x, bias, y fp32; W bf16 (wtype 0),
+/* y[M, N] = x[M, K] . W^T (+ bias) with W's rows interleaved (see above). x, bias, y fp32; W bf16 (wtype 0),
  * fp16 (1) or fp32 (2). Threads split the blocks of rows; each reads its weights once for all of x. */
 void anna_gemv(const float *x, const void *w, int wtype, const float *bias, float *y, int M, long N, long K,
                int threads) {
-    long blocks = N / PACK_ROWS, packed = blocks * PACK_ROWS;
+    long blocks = N / PACK_ROWS, full = blocks * PACK_ROWS;
     #pragma omp parallel num_threads(threads)
     {
         int t = omp_get_thread_num(), nt = omp_get_num_threads();
         long per = (blocks + nt - 1) / nt;
         long b = t * per * PACK_ROWS, e = (t + 1) * per * PACK_ROWS;
-        if (e > packed) e = packed;
+        if (e > full) e = full;
         if (b < e) {  /* wtype is a literal at each call, so the loops are compiled once per type */
             if (wtype == 0) run_blocks(x, w, 0, bias, y, M, N, b, e, K);
             else if (wtype == 1) run_blocks(x, w, 1, bias, y, M, N, b, e, K);
             else run_blocks(x, w, 2, bias, y, M, N, b, e, K);
         }
-        if (t == nt - 1 && packed < N) run_tail(x, w, wtype, bias, y, M, N, packed, N, K);
+        if (t == nt - 1 && full < N) run_tail(x, w, wtype, bias, y, M, N, full, N, K);
     }
 }
 
 /* Packed W -> fp32 row-major [N, K]: the weight torch's GEMM reads when M is too large for the
  * kernel above (prefill). One pass, vectorized: about 4x faster here than torch's bf16 -> fp32. */
-void anna_unpack_rows(const void *w, int wtype, long N, long K, float *out, int threads) {
+void anna_deinterleave_rows(const void *w, int wtype, long N, long K, float *out, int threads) {
     long blocks = N / PACK_ROWS, full = blocks * PACK_ROWS;
     #pragma omp parallel for num_threads(threads)
     for (long b = 0; b < blocks; b++)

@@ -5,7 +5,13 @@
  * 16 bytes: byte i holds weight i (low nibble) and weight i + 16 (high nibble).
  * x is quantized on the fly to int8 in blocks of 32 (one fp32 scale per block), so that dot
  * products run on integer units (AVX2 maddubs), as llama.cpp does; K must be a multiple of 32.
- * One call reads each weight row once for all M rows of x (the row stays in L1 meanwhile). */
+ * One call reads each weight row once for all M rows of x (the row stays in L1 meanwhile).
+ *
+ * Layout ("interleaved rows", as in cpu_kernels.c): rows come in blocks of 4; within a block, each
+ * 32-weight block of the 4 rows is contiguous (int4: 4 x 16 bytes, one cache line; int8: 4 x 32
+ * bytes), and int4 group scales are [N / 4][K / G][4]. So a block of rows is one stream, not four
+ * short ones (an int4 row of K = 896 is 448 bytes). The last N % 4 rows follow row-major, with
+ * their scales. linear.py packs the tensors once, after loading. */
 #include <immintrin.h>
 #include <math.h>
 #include <omp.h>
@@ -50,7 +56,10 @@ INLINE __m256i unpack_q4(const uint8_t *p) {
     return _mm256_sub_epi8(_mm256_and_si256(both, _mm256_set1_epi8(0x0F)), _mm256_set1_epi8(8));
 }
 
-/* kind 0: int8 rows (row scale); kind 1: int4 groups of G (group scales) */
+#define PACK_ROWS 4
+#define PREFETCH_BYTES 1024
+
+/* One row-major row (the tail rows). kind 0: int8 rows (row scale); kind 1: int4 groups of G. */
 INLINE float row_dot(int kind, const void *w, const float *ws, long n, long K, long G, const int8_t *xq,
                      const float *xs) {
     long blocks = K / 32;
@@ -75,66 +84,64 @@ INLINE float row_dot(int kind, const void *w, const float *ws, long n, long K, l
     return hsum(acc);
 }
 
-/* Four rows at once: four independent accumulators, and the next four rows prefetched, so that
- * enough memory requests are in flight to approach bandwidth.
- * kind 0: int8 rows, row scales; kind 1: packed int4, group scales; kind 2: int4 already unpacked
- * to one int8 per weight (rows at `base`, `row_bytes` apart), group scales. */
-INLINE void rows4_dot(int kind, const uint8_t *base, long row_bytes, const float *ws, long n, long K, long G,
+/* One block of 4 packed rows (starting at `blk`) against one row of x: four independent
+ * accumulators. kind 0: int8, row scales; kind 1: int4, group scales; kind 2: int4 already
+ * unpacked to one int8 per weight (same block order, 4 x 32 bytes per step), group scales.
+ * gs: the block's group scales ([K / G][4]); `prefetch` asks for the lines PREFETCH_BYTES ahead. */
+INLINE void rows4_dot(int kind, const uint8_t *blk, const float *ws, long n, const float *gs, long K, long G,
                       const int8_t *xq, const float *xs, int prefetch, float out[4]) {
     long blocks = K / 32;
     __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-    long groups = G > 0 ? K / G : 1;
     int pg_shift = G >= 128 ? 2 : G == 64 ? 1 : 0;  /* blocks of 32 per group, as a shift: no division */
-    long block_bytes = kind == 1 ? 16 : 32;
+    long row_step = kind == 1 ? 16 : 32, step = PACK_ROWS * row_step;
     for (long b = 0; b < blocks; b++) {
+        const uint8_t *p = blk + b * step;
+        if (prefetch) {
+            _mm_prefetch((const char *)p + PREFETCH_BYTES, _MM_HINT_T0);
+            if (step > 64) _mm_prefetch((const char *)p + PREFETCH_BYTES + 64, _MM_HINT_T0);
+        }
         __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + b * 32));
-        if (prefetch && (b & 1) == 0)
-            for (int r = 0; r < 4; r++) _mm_prefetch((const char *)base + (4 + r) * row_bytes + b * block_bytes, _MM_HINT_T0);
         for (int r = 0; r < 4; r++) {
-            const uint8_t *p = base + r * row_bytes + b * block_bytes;
-            __m256i wv = kind == 1 ? unpack_q4(p) : _mm256_loadu_si256((const __m256i *)p);
-            float sc = kind == 0 ? xs[b] : xs[b] * ws[(n + r) * groups + (b >> pg_shift)];
+            __m256i wv = kind == 1 ? unpack_q4(p + r * row_step) : _mm256_loadu_si256((const __m256i *)(p + r * row_step));
+            float sc = kind == 0 ? xs[b] : xs[b] * gs[(b >> pg_shift) * PACK_ROWS + r];
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_s8(wv, xv)), _mm256_set1_ps(sc), acc[r]);
         }
     }
     for (int r = 0; r < 4; r++) out[r] = hsum(acc[r]) * (kind == 0 ? ws[n + r] : 1.0f);
 }
 
+/* Rows [b, e) of the packed part (multiples of 4) for all M rows of x. */
 INLINE void run(int kind, const int8_t *xq, const float *xs, const void *w, const float *ws, const float *bias,
                 float *y, long M, long N, long K, long G, long b, long e) {
     long blocks = K / 32;
-    long row_bytes = kind == 0 ? K : K / 2;
-    /* int4 with several rows of x: unpack each 4-row slice once (to L1) instead of once per row of x */
-    int8_t *unpacked = (kind == 1 && M > 1) ? (int8_t *)malloc(4 * K) : 0;
-    long n = b;
-    for (; n + 4 <= e; n += 4) {
-        int prefetch = n + 8 <= e;
-        const uint8_t *base = (const uint8_t *)w + n * row_bytes;
+    long row_bytes = kind == 0 ? K : K / 2, groups = kind == 1 ? K / G : 0;
+    /* int4 with several rows of x: unpack each block once (to L1) instead of once per row of x */
+    int8_t *unpacked = (kind == 1 && M > 1) ? (int8_t *)malloc(PACK_ROWS * K) : 0;
+    for (long n = b; n < e; n += PACK_ROWS) {
+        const uint8_t *blk = (const uint8_t *)w + n * row_bytes;
+        const float *gs = ws + n * groups;
         int use_kind = kind;
-        long use_row_bytes = row_bytes;
         if (unpacked) {
-            for (int r = 0; r < 4; r++)
-                for (long bb = 0; bb < blocks; bb++)
-                    _mm256_storeu_si256((__m256i *)(unpacked + r * K + bb * 32), unpack_q4(base + r * row_bytes + bb * 16));
-            base = (const uint8_t *)unpacked;
+            for (long bb = 0; bb < blocks; bb++) {
+                _mm_prefetch((const char *)blk + bb * 64 + PREFETCH_BYTES, _MM_HINT_T0);
+                for (int r = 0; r < PACK_ROWS; r++)
+                    _mm256_storeu_si256((__m256i *)(unpacked + (bb * PACK_ROWS + r) * 32), unpack_q4(blk + bb * 64 + r * 16));
+            }
+            blk = (const uint8_t *)unpacked;
             use_kind = 2;
-            use_row_bytes = K;
         }
         for (long m = 0; m < M; m++) {
             float out[4];
             if (use_kind == 0)
-                rows4_dot(0, base, use_row_bytes, ws, n, K, G, xq + m * K, xs + m * blocks, prefetch && m == 0, out);
+                rows4_dot(0, blk, ws, n, gs, K, G, xq + m * K, xs + m * blocks, m == 0, out);
             else if (use_kind == 1)
-                rows4_dot(1, base, use_row_bytes, ws, n, K, G, xq + m * K, xs + m * blocks, prefetch && m == 0, out);
+                rows4_dot(1, blk, ws, n, gs, K, G, xq + m * K, xs + m * blocks, m == 0, out);
             else
-                rows4_dot(2, base, use_row_bytes, ws, n, K, G, xq + m * K, xs + m * blocks, 0, out);
+                rows4_dot(2, blk, ws, n, gs, K, G, xq + m * K, xs + m * blocks, 0, out);
             for (int r = 0; r < 4; r++) y[m * N + n + r] = out[r] + (bias ? bias[n + r] : 0.0f);
         }
     }
     free(unpacked);
-    for (; n < e; n++)
-        for (long m = 0; m < M; m++)
-            y[m * N + n] = row_dot(kind, w, ws, n, K, G, xq + m * K, xs + m * blocks) + (bias ? bias[n] : 0.0f);
 }
 
 /* kind: 0 = int8, 1 = int4. ws: int8 row scales [N] or int4 group scales [N, K/G]. */
@@ -143,39 +150,53 @@ void anna_qgemm(const float *x, const void *w, const float *ws, int kind, long G
     int8_t *xq = (int8_t *)malloc(M * K);
     float *xs = (float *)malloc(sizeof(float) * M * (K / 32));
     quantize_x(x, xq, xs, M, K);
+    long packed = N / PACK_ROWS * PACK_ROWS;
     #pragma omp parallel num_threads(threads)
     {
         int t = omp_get_thread_num(), nt = omp_get_num_threads();
-        long chunk = ((N + nt - 1) / nt + 3) & ~3L;
-        long b = t * chunk, e = b + chunk < N ? b + chunk : N;
+        long per = (N / PACK_ROWS + nt - 1) / nt;
+        long b = t * per * PACK_ROWS, e = (t + 1) * per * PACK_ROWS;
+        if (e > packed) e = packed;
         if (b < e) {
             if (kind == 0) run(0, xq, xs, w, ws, bias, y, M, N, K, G, b, e);
             else run(1, xq, xs, w, ws, bias, y, M, N, K, G, b, e);
         }
+        if (t == nt - 1)
+            for (long n = packed; n < N; n++)
+                for (long m = 0; m < M; m++)
+                    y[m * N + n] = row_dot(kind, w, ws, n, K, G, xq + m * K, xs + m * (K / 32)) + (bias ? bias[n] : 0.0f);
     }
     free(xq);
     free(xs);
 }
 
-/* Dequantize rows [N, K] to fp32 (the "dequant" strategy for large M, and embedding lookups). */
-void anna_dequant(const void *w, const float *ws, int kind, long G, const long *rows, long R, long K, float *out,
-                  int threads) {
+/* Dequantize rows of packed weights (all N when rows is NULL, else the R listed) to fp32
+ * row-major: the "dequant" strategy for large M, and embedding lookups. */
+void anna_dequant(const void *w, const float *ws, int kind, long G, const long *rows, long R, long N, long K,
+                  float *out, int threads) {
+    long packed = N / PACK_ROWS * PACK_ROWS, groups = kind == 1 ? K / G : 0;
     #pragma omp parallel for num_threads(threads) if (R > 16)
-    for (long r = 0; r < R; r++) {
-        long n = rows ? rows[r] : r;
-        float *o = out + r * K;
+    for (long i = 0; i < R; i++) {
+        long n = rows ? rows[i] : i;
+        int in_block = n < packed;
+        long r = in_block ? n % PACK_ROWS : 0, first = in_block ? n - r : n;  /* the block's first row */
+        long lanes = in_block ? PACK_ROWS : 1;  /* rows interleaved at this row's position */
+        float *o = out + i * K;
         if (kind == 0) {
-            const int8_t *wr = (const int8_t *)w + n * K;
-            for (long k = 0; k < K; k++) o[k] = wr[k] * ws[n];
-        } else {
-            const uint8_t *wr = (const uint8_t *)w + n * (K / 2);
-            const float *gs = ws + n * (K / G);
+            const int8_t *base = (const int8_t *)w + first * K;
             for (long k = 0; k < K; k += 32) {
-                const uint8_t *p = wr + k / 2;
-                float s = gs[k / G];
-                for (int i = 0; i < 16; i++) {
-                    o[k + i] = (float)((p[i] & 0x0F) - 8) * s;
-                    o[k + 16 + i] = (float)((p[i] >> 4) - 8) * s;
+                const int8_t *p = base + k * lanes + r * 32;
+                for (int j = 0; j < 32; j++) o[k + j] = p[j] * ws[n];
+            }
+        } else {
+            const uint8_t *base = (const uint8_t *)w + first * (K / 2);
+            const float *gs = ws + first * groups;
+            for (long k = 0; k < K; k += 32) {
+                const uint8_t *p = base + (k / 2) * lanes + r * 16;
+                float s = gs[(k / G) * lanes + r];
+                for (int j = 0; j < 16; j++) {
+                    o[k + j] = (float)((p[j] & 0x0F) - 8) * s;
+                    o[k + 16 + j] = (float)((p[j] >> 4) - 8) * s;
                 }
             }
         }
