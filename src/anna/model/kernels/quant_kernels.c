@@ -50,10 +50,23 @@ static void quantize_x(const float *x, int8_t *xq, float *xs, long M, long K) {
         }
 }
 
-INLINE __m256i unpack_q4(const uint8_t *p) {
+/* 16 bytes -> 32 stored nibbles q (0..15, the weight is q - 8) */
+INLINE __m256i unpack_q4_unsigned(const uint8_t *p) {
     __m128i v = _mm_loadu_si128((const __m128i *)p);
     __m256i both = _mm256_set_m128i(_mm_srli_epi16(v, 4), v);
-    return _mm256_sub_epi8(_mm256_and_si256(both, _mm256_set1_epi8(0x0F)), _mm256_set1_epi8(8));
+    return _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
+}
+
+/* int4 dot products without the sign trick: maddubs takes the stored nibbles q (unsigned) against
+ * signed x directly (|q * x| pairs stay far below int16's limit), and the -8 offset comes off
+ * afterwards as 8 * (sum of x), lane by lane: offset8(x) computed once per block of x. */
+INLINE __m256i dot_q4u(__m256i q, __m256i x, __m256i x_offset) {
+    __m256i p32 = _mm256_madd_epi16(_mm256_maddubs_epi16(q, x), _mm256_set1_epi16(1));
+    return _mm256_sub_epi32(p32, x_offset);
+}
+
+INLINE __m256i offset8(__m256i x) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(8), x), _mm256_set1_epi16(1));
 }
 
 #define PACK_ROWS 4
@@ -77,16 +90,16 @@ INLINE float row_dot(int kind, const void *w, const float *ws, long n, long K, l
     const float *gs = ws + n * (K / G);
     int pg_shift = G >= 128 ? 2 : G == 64 ? 1 : 0;
     for (long b = 0; b < blocks; b++) {
-        __m256i wv = unpack_q4(wr + b * 16);
         __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + b * 32));
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_s8(wv, xv)), _mm256_set1_ps(xs[b] * gs[b >> pg_shift]), acc);
+        __m256i dot = dot_q4u(unpack_q4_unsigned(wr + b * 16), xv, offset8(xv));
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(xs[b] * gs[b >> pg_shift]), acc);
     }
     return hsum(acc);
 }
 
 /* One block of 4 packed rows (starting at `blk`) against one row of x: four independent
  * accumulators. kind 0: int8, row scales; kind 1: int4, group scales; kind 2: int4 already
- * unpacked to one int8 per weight (same block order, 4 x 32 bytes per step), group scales.
+ * unpacked to one byte per stored nibble (same block order, 4 x 32 bytes per step), group scales.
  * gs: the block's group scales ([K / G][4]); `prefetch` asks for the lines PREFETCH_BYTES ahead. */
 INLINE void rows4_dot(int kind, const uint8_t *blk, const float *ws, long n, const float *gs, long K, long G,
                       const int8_t *xq, const float *xs, int prefetch, float out[4]) {
@@ -101,10 +114,14 @@ INLINE void rows4_dot(int kind, const uint8_t *blk, const float *ws, long n, con
             if (step > 64) _mm_prefetch((const char *)p + PREFETCH_BYTES + 64, _MM_HINT_T0);
         }
         __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + b * 32));
+        __m256i x_offset = kind == 0 ? xv : offset8(xv);
         for (int r = 0; r < 4; r++) {
-            __m256i wv = kind == 1 ? unpack_q4(p + r * row_step) : _mm256_loadu_si256((const __m256i *)(p + r * row_step));
+            __m256i dot;
+            if (kind == 0) dot = dot_s8(_mm256_loadu_si256((const __m256i *)(p + r * row_step)), xv);
+            else if (kind == 1) dot = dot_q4u(unpack_q4_unsigned(p + r * row_step), xv, x_offset);
+            else dot = dot_q4u(_mm256_loadu_si256((const __m256i *)(p + r * row_step)), xv, x_offset);
             float sc = kind == 0 ? xs[b] : xs[b] * gs[(b >> pg_shift) * PACK_ROWS + r];
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_s8(wv, xv)), _mm256_set1_ps(sc), acc[r]);
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(sc), acc[r]);
         }
     }
     for (int r = 0; r < 4; r++) out[r] = hsum(acc[r]) * (kind == 0 ? ws[n + r] : 1.0f);
@@ -125,7 +142,7 @@ INLINE void run(int kind, const int8_t *xq, const float *xs, const void *w, cons
             for (long bb = 0; bb < blocks; bb++) {
                 _mm_prefetch((const char *)blk + bb * 64 + PREFETCH_BYTES, _MM_HINT_T0);
                 for (int r = 0; r < PACK_ROWS; r++)
-                    _mm256_storeu_si256((__m256i *)(unpacked + (bb * PACK_ROWS + r) * 32), unpack_q4(blk + bb * 64 + r * 16));
+                    _mm256_storeu_si256((__m256i *)(unpacked + (bb * PACK_ROWS + r) * 32), unpack_q4_unsigned(blk + bb * 64 + r * 16));
             }
             blk = (const uint8_t *)unpacked;
             use_kind = 2;
