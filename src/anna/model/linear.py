@@ -38,7 +38,7 @@ class KernelPolicy:
     quantization: str = "none"  # none | int8 | int4
     int4_group_size: int = 32
     int4_matmul: str = "auto"  # auto | packed | dequant
-    int4_gemv_m_threshold: int = 16  # auto: packed kernel for M <= this, dequant + dense GEMM above
+    int4_gemv_m_threshold: int = 64  # auto: packed kernel for M <= this, dequant + dense GEMM above
     profiler: "RuntimeProfiler | None" = None  # --profile-runtime
     fused_decode: bool = True  # decode-only CPU steps run the whole decoder stack in one C call
 
