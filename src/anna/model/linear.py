@@ -210,7 +210,8 @@ class QuantLinear(nn.Module):
         self.scales[rows].copy_(scale)
 
     def dequantized(self, rows: torch.Tensor | None = None) -> torch.Tensor:
-        """fp32 weights (of the given rows): the dense fallback, and embedding lookups."""
+        """fp32 row-major weights (of the given rows): the dense fallback, and embedding lookups.
+        With Anna's kernels, all rows land in a buffer reused by the next matmul's conversion."""
         if self.interleaved:
             return self.policy.cpu.dequant(self.qweight, self.scales, self.kind, self.group, self.in_features, rows)
         q = self.qweight if rows is None else self.qweight[rows]
