@@ -59,3 +59,11 @@ def test_linear_packs_once_and_serves_every_route(kernels):
         torch.testing.assert_close(lin(x), want, rtol=1e-4, atol=1e-4, msg=f"M={m}")
     ids = torch.tensor([0, 7, 67])
     assert torch.equal(lin.weight_rows(ids), w[ids])
+
+
+@pytest.mark.parametrize("rows, width", [(1, 4864), (3, 300), (40, 520)])  # tails of 8 and of 256
+def test_silu_mul_matches_torch(kernels, rows, width):
+    gate_up = torch.randn(rows, 2 * width) * 6  # exp's whole useful range, and past it
+    gate_up[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -88.0])
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(kernels.silu_mul(gate_up), F.silu(gate) * up, rtol=2e-6, atol=1e-6)

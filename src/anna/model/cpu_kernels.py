@@ -60,13 +60,14 @@ class CpuKernels:
         lib.anna_deinterleave_rows.argtypes = [p, i, l, l, p, i]
         lib.anna_add_rmsnorm.argtypes = [p, p, p, i, p, l, l, f, i]
         lib.anna_rotary.argtypes = [p, l, l, l, l, p, p, p]
+        lib.anna_silu_mul.argtypes = [p, p, l, l, i]
         lib.anna_paged_decode_attention.argtypes = [p, p, p, p, l, p, l, l, l, l, l, l, f, p, i]
         lib.anna_qgemm.argtypes = [p, p, p, i, l, p, p, l, l, l, i]
         lib.anna_dequant.argtypes = [p, p, i, l, p, l, l, l, p, i]
         lib.anna_decode_layers.argtypes = [ctypes.POINTER(AnnaLayer), l, p, l, l, l, l, l, l, f, p, p, p, l, p, l, l,
                                            f, p, p, p, p, i]
-        for fn in (lib.anna_gemv, lib.anna_deinterleave_rows, lib.anna_add_rmsnorm, lib.anna_rotary, lib.anna_paged_decode_attention,
-                   lib.anna_qgemm, lib.anna_dequant, lib.anna_decode_layers):
+        for fn in (lib.anna_gemv, lib.anna_deinterleave_rows, lib.anna_add_rmsnorm, lib.anna_rotary, lib.anna_silu_mul,
+                   lib.anna_paged_decode_attention, lib.anna_qgemm, lib.anna_dequant, lib.anna_decode_layers):
             fn.restype = None
         self.lib = lib
         self._scratch = torch.empty(0, dtype=torch.float32)  # see unpack_rows
@@ -156,6 +157,15 @@ class CpuKernels:
         dim = x.shape[-1]
         self.lib.anna_add_rmsnorm(x.data_ptr(), _ptr(delta), weight.data_ptr(), WEIGHT_TYPES[weight.dtype],
                                   out.data_ptr(), x.numel() // dim, dim, eps, torch.get_num_threads())
+        return out
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up for rows laid out [gate | up] (the fused gate_up matmul's output)."""
+        width = gate_up.shape[-1] // 2
+        rows = gate_up.contiguous()
+        out = torch.empty(*gate_up.shape[:-1], width, dtype=torch.float32)
+        self.lib.anna_silu_mul(rows.data_ptr(), out.data_ptr(), rows.numel() // (2 * width), width,
+                               torch.get_num_threads())
         return out
 
     def rotary(self, x: torch.Tensor, heads: int, head_dim: int, cos_table: torch.Tensor, sin_table: torch.Tensor,

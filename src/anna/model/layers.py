@@ -106,7 +106,12 @@ class GatedMLP(nn.Module):
             raise ValueError(f"hidden_act '{act}' is not supported (supported: silu)")
         self.gate_up_proj = make_linear(hidden, [intermediate, intermediate], bias=bias, dtype=dtype, policy=policy)
         self.down_proj = make_linear(intermediate, hidden, bias=bias, dtype=dtype, policy=policy)
+        self.policy = policy
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        cpu = self.policy.cpu
+        if cpu is not None and gate_up.device.type == "cpu" and gate_up.dtype == torch.float32:
+            return self.down_proj(cpu.silu_mul(gate_up))  # the fused decode stack's kernel
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)

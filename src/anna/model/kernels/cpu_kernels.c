@@ -154,6 +154,45 @@ void anna_deinterleave_rows(const void *w, int wtype, long N, long K, float *out
 
 /* ---- fused elementwise kernels for decode: one call instead of a chain of small torch ops ---- */
 
+/* exp(x), 8 lanes: 2^n * p(r) with r = x - n ln 2 (Cephes' polynomial; relative error ~2e-7,
+ * against ~1e-7 for libm's expf). Inputs are clamped to the range where expf is finite/nonzero. */
+INLINE __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500E-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507E-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073E-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894E-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459E-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201E-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+/* The gated MLP's activation: out[t, i] = silu(gate[t, i]) * up[t, i], where each row of gate_up
+ * is [gate (I values), up (I values)]. Vectorized and split across threads: as a scalar loop it
+ * was 5% of a 16-sequence decode step, with the other thread waiting. */
+void anna_silu_mul(const float *gate_up, float *out, long M, long I, int threads) {
+    long chunks = (I + 255) / 256;
+    #pragma omp parallel for num_threads(threads) if (M * I >= 16384)
+    for (long job = 0; job < M * chunks; job++) {
+        long t = job / chunks, b = (job % chunks) * 256, e = b + 256 < I ? b + 256 : I;
+        const float *g = gate_up + t * 2 * I, *u = g + I;
+        float *o = out + t * I;
+        long i = b;
+        for (; i + 8 <= e; i += 8) {
+            __m256 gv = _mm256_loadu_ps(g + i);
+            __m256 sig = _mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv))));
+            _mm256_storeu_ps(o + i, _mm256_mul_ps(sig, _mm256_loadu_ps(u + i)));
+        }
+        for (; i < e; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    }
+}
+
 /* x += delta (when given), then out = rmsnorm(x) * w, row by row. x, delta, out fp32. */
 void anna_add_rmsnorm(float *x, const float *delta, const void *w, int wtype, float *out, long rows, long dim,
                       float eps, int threads) {
@@ -234,8 +273,16 @@ void anna_paged_decode_attention(const float *q, const float *k_cache, const flo
                 }
             }
             for (long g = 0; g < group; g++) {
-                float sum = 0.0f, *sg = scores + g * len;
-                for (long i = 0; i < len; i++) {
+                float *sg = scores + g * len;
+                __m256 vmax = _mm256_set1_ps(mx[g]), vsum = _mm256_setzero_ps();
+                long i = 0;
+                for (; i + 8 <= len; i += 8) {
+                    __m256 ev = exp8(_mm256_sub_ps(_mm256_loadu_ps(sg + i), vmax));
+                    _mm256_storeu_ps(sg + i, ev);
+                    vsum = _mm256_add_ps(vsum, ev);
+                }
+                float sum = hsum(vsum);
+                for (; i < len; i++) {
                     sg[i] = expf(sg[i] - mx[g]);
                     sum += sg[i];
                 }

@@ -15,6 +15,7 @@ void anna_qgemm(const float *x, const void *w, const float *ws, int kind, long G
                 long M, long N, long K, int threads);
 void anna_add_rmsnorm(float *x, const float *delta, const void *w, int wtype, float *out, long rows, long dim,
                       float eps, int threads);
+void anna_silu_mul(const float *gate_up, float *out, long M, long I, int threads);
 void anna_rotary(float *x, long row_stride, long tokens, long heads, long dim, const float *cos_table,
                  const float *sin_table, const long *positions);
 void anna_paged_decode_attention(const float *q, const float *k_cache, const float *v_cache, const long *tables,
@@ -85,11 +86,7 @@ void anna_decode_layers(const AnnaLayer *layers, long num_layers, const float *e
         linear(&L->o, attn, h, M, threads);
         anna_add_rmsnorm(residual, h, L->post_norm, L->norm_wtype, normed, M, hidden, eps, threads);
         linear(&L->gate_up, normed, gate_up, M, threads);
-        for (long t = 0; t < M; t++) {
-            const float *g = gate_up + t * 2 * intermediate, *u = g + intermediate;
-            float *a = act + t * intermediate;
-            for (long i = 0; i < intermediate; i++) a[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
-        }
+        anna_silu_mul(gate_up, act, M, intermediate, threads);
         linear(&L->down, act, h, M, threads);
     }
     anna_add_rmsnorm(residual, h, final_norm, layers[0].norm_wtype, out, M, hidden, eps, threads);
