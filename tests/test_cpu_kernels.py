@@ -67,3 +67,35 @@ def test_silu_mul_matches_torch(kernels, rows, width):
     gate_up[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -88.0])
     gate, up = gate_up.chunk(2, dim=-1)
     torch.testing.assert_close(kernels.silu_mul(gate_up), F.silu(gate) * up, rtol=2e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("window", [0, 24])
+def test_paged_decode_attention_matches_torch(kernels, window):
+    """Grouped-query decode attention through scattered block tables; contexts around the 8-position
+    chunks the kernel scores together."""
+    torch.manual_seed(2)
+    heads, kv_heads, dim, block_size, blocks = 14, 2, 64, 16, 40
+    contexts = [1, 7, 8, 9, 40, 100]
+    k_cache = torch.randn(blocks, block_size, kv_heads, dim)
+    v_cache = torch.randn(blocks, block_size, kv_heads, dim)
+    order = torch.randperm(blocks)
+    width = max(-(-c // block_size) for c in contexts)
+    tables = torch.zeros(len(contexts), width, dtype=torch.long)
+    used = 0
+    for i, c in enumerate(contexts):
+        n = -(-c // block_size)
+        tables[i, :n] = order[used:used + n]
+        used += n
+    q = torch.randn(len(contexts), heads, dim)
+    scale = dim ** -0.5
+    got = kernels.decode_attention(q, k_cache, v_cache, tables, torch.tensor(contexts), window or None, scale)
+    for i, c in enumerate(contexts):
+        slots = [(int(tables[i, p // block_size]), p % block_size) for p in range(c)]
+        if window:
+            slots = slots[-window:]
+        k = torch.stack([k_cache[b, o] for b, o in slots])  # [len, kv_heads, dim]
+        v = torch.stack([v_cache[b, o] for b, o in slots])
+        k = k.repeat_interleave(heads // kv_heads, dim=1)
+        v = v.repeat_interleave(heads // kv_heads, dim=1)
+        weights = torch.softmax(torch.einsum("hd,lhd->hl", q[i], k) * scale, dim=-1)
+        torch.testing.assert_close(got[i], torch.einsum("hl,lhd->hd", weights, v), rtol=1e-4, atol=1e-5)

@@ -237,6 +237,24 @@ INLINE float dot(const float *a, const float *b, long n) {
     return s;
 }
 
+/* [sum(a[0]), ..., sum(a[7])]: eight horizontal sums for about the price of one. */
+INLINE __m256 hsum8(const __m256 a[8]) {
+    __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+/* q . k[j] for eight key rows at once (dim a multiple of 8). */
+INLINE __m256 dot8(const float *q, const float *const k[8], long dim) {
+    __m256 a[8];
+    for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();
+    for (long d = 0; d < dim; d += 8) {
+        __m256 qd = _mm256_loadu_ps(q + d);
+        for (int j = 0; j < 8; j++) a[j] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k[j] + d), a[j]);
+    }
+    return hsum8(a);
+}
+
 /* Decode attention over a paged fp32 KV cache: one query token per sequence.
  * q, out: [seqs, heads, dim]; caches: [blocks, block_size, kv_heads, dim];
  * tables: [seqs, table_width] block ids; ctx: tokens of each sequence (the new one included);
@@ -264,7 +282,22 @@ void anna_paged_decode_attention(const float *q, const float *k_cache, const flo
             const float *qv = q + (sq * heads + kvh * group) * dim;  /* the group's query heads, consecutive */
             const long *table = tables + sq * table_width;
             for (long g = 0; g < group; g++) mx[g] = -INFINITY;
-            for (long p = start; p < n; p++) {
+            long p = start;
+            /* eight positions at a time: one reduction for eight scores instead of one each */
+            for (; dim % 8 == 0 && p + 8 <= n; p += 8) {
+                const float *kr[8];
+                for (int j = 0; j < 8; j++)
+                    kr[j] = k_cache + (table[(p + j) / block_size] * block_size + (p + j) % block_size) * kv_row + kvh * dim;
+                for (long g = 0; g < group; g++) {
+                    __m256 sc = _mm256_mul_ps(dot8(qv + g * dim, kr, dim), _mm256_set1_ps(scale));
+                    _mm256_storeu_ps(scores + g * len + p - start, sc);
+                    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(sc), _mm256_extractf128_ps(sc, 1));
+                    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+                    float m = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+                    if (m > mx[g]) mx[g] = m;
+                }
+            }
+            for (; p < n; p++) {
                 const float *kv = k_cache + (table[p / block_size] * block_size + p % block_size) * kv_row + kvh * dim;
                 for (long g = 0; g < group; g++) {
                     float sc = dot(qv + g * dim, kv, dim) * scale;
