@@ -114,7 +114,7 @@ INLINE void rows4_dot(int kind, const uint8_t *blk, const float *ws, long n, con
             if (step > 64) _mm_prefetch((const char *)p + PREFETCH_BYTES + 64, _MM_HINT_T0);
         }
         __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + b * 32));
-        __m256i x_offset = kind == 0 ? xv : offset8(xv);
+        __m256i x_offset = kind == 0 ? _mm256_setzero_si256() : offset8(xv);  /* int4 only */
         for (int r = 0; r < 4; r++) {
             __m256i dot;
             if (kind == 0) dot = dot_s8(_mm256_loadu_si256((const __m256i *)(p + r * row_step)), xv);
@@ -161,7 +161,7 @@ INLINE void run(int kind, const int8_t *xq, const float *xs, const void *w, cons
     free(unpacked);
 }
 
-/* kind: 0 = int8, 1 = int4. ws: int8 row scales [N] or int4 group scales [N, K/G]. */
+/* kind: 0 = int8, 1 = int4. ws: int8 row scales [N] or int4 group scales (interleaved, see above). */
 void anna_qgemm(const float *x, const void *w, const float *ws, int kind, long G, const float *bias, float *y,
                 long M, long N, long K, int threads) {
     int8_t *xq = (int8_t *)malloc(M * K);
