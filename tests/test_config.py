@@ -103,6 +103,16 @@ def test_torchinductor_cache_dir_rule():
     assert cli.torchinductor_cache_dir == "/cli"
 
 
+def test_cpu_kernel_compiler_rule():
+    """CC, the compilers' own variable, is the default; Anna's variable and the flag win over it."""
+    assert ServeSettings().resolve(env={}).cpu_kernel_compiler == ""
+    cc = ServeSettings().resolve(env={"CC": "clang"})
+    assert cc.cpu_kernel_compiler == "clang" and cc.sources["cpu_kernel_compiler"] == "env CC"
+    anna_env = ServeSettings().resolve(env={"CC": "clang", "ANNA_CPU_KERNEL_COMPILER": "gcc-12"})
+    assert anna_env.cpu_kernel_compiler == "gcc-12"
+    assert ServeSettings(cpu_kernel_compiler="tcc").resolve(env={"CC": "clang"}).cpu_kernel_compiler == "tcc"
+
+
 def test_torch_really_injects_the_value_treated_as_unset(tmp_path):
     """The rule above rests on what torch does at import; check it in a clean process."""
     import os

@@ -79,6 +79,8 @@ class ServeSettings:
     disable_int4_cache: bool | None = _setting(False, "Never read or write the int4 layout cache.")
     cpu_kernels: bool | None = _setting(
         True, "Use Anna's compiled CPU matmul kernels for decode-sized matmuls (built with the C compiler).")
+    cpu_kernel_compiler: str | None = _setting(
+        "", "C compiler that builds Anna's CPU kernels; empty = the CC environment variable, else cc, else gcc.")
     cpu_gemv_max_rows: int | None = _setting(
         128, "Largest M (rows) routed to Anna's CPU matmul kernel; larger matmuls use torch.")
     cpu_upcast_min_rows: int | None = _setting(
@@ -267,6 +269,8 @@ def resolve_settings(settings: ServeSettings, env: Mapping[str, str], explicit_s
             and user_inductor_dir != torch_default_inductor_dir():
         values["torchinductor_cache_dir"], sources["torchinductor_cache_dir"] = user_inductor_dir, \
             "env TORCHINDUCTOR_CACHE_DIR"
+    if sources["cpu_kernel_compiler"] == "default" and env.get("CC", ""):
+        values["cpu_kernel_compiler"], sources["cpu_kernel_compiler"] = env["CC"], "env CC"
     return ResolvedSettings(ServeSettings(**values), sources)
 
 

@@ -186,12 +186,13 @@ class CpuKernels:
         return out
 
 
-def build_cpu_kernels(cache_dir: str | Path) -> CpuKernels | None:
-    """Compile (once per source version) and load the kernel; None if this machine cannot."""
+def build_cpu_kernels(cache_dir: str | Path, compiler: str = "") -> CpuKernels | None:
+    """Compile (once per source version, with ``compiler`` or else cc or gcc) and load the kernels;
+    None if this machine cannot."""
     if not cpu_has_avx2():
         log.warning("CPU without AVX2/FMA/F16C: using torch's matmul kernels")
         return None
-    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    compiler = shutil.which(compiler or "cc") or shutil.which("gcc")
     digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + " ".join(CFLAGS).encode()).hexdigest()[:16]
     out_dir = Path(cache_dir).expanduser() / "kernels"
     library = out_dir / f"anna_cpu_kernels_{digest}.so"

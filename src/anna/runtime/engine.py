@@ -124,7 +124,8 @@ class LLMEngine:
 
     def _kernel_policy(self) -> KernelPolicy:
         s = self.settings
-        cpu = build_cpu_kernels(s.cache_dir) if s.cpu_kernels and self.device.type == "cpu" else None
+        cpu = (build_cpu_kernels(s.cache_dir, s.cpu_kernel_compiler) if s.cpu_kernels and self.device.type == "cpu"
+               else None)
         if self.device.type == "cpu":
             log.info("CPU kernels: %s", f"Anna's (matmuls up to M={s.cpu_gemv_max_rows})" if cpu else "torch's")
         self.decode_executor = resolve_decode_executor(s.decode_executor, self.device,
