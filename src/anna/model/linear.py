@@ -64,6 +64,8 @@ def gather_interleaved_rows(packed: torch.Tensor, rows: torch.Tensor) -> torch.T
     full = n - n % PACK_ROWS
     blocks = packed[:full].view(full // PACK_ROWS, k // PACK_COLS, PACK_ROWS, PACK_COLS)
     flat = rows.reshape(-1).long()
+    if full == n:  # no tail rows (every real vocabulary and layer size): one gather
+        return blocks[flat // PACK_ROWS, :, flat % PACK_ROWS].reshape(*rows.shape, k)
     out = packed.new_empty(flat.numel(), k)
     in_blocks = flat < full
     if in_blocks.any():
