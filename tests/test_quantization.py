@@ -48,8 +48,9 @@ def test_int8_quantization_error_is_bounded():
     assert ((dequantize_int8(q, scale) - w).abs() <= scale[:, None] / 2 + 1e-6).all()
 
 
-def make_layer(kind: str, group: int, kernels, strategy: str, out_features=(70, 29), k=256) -> QuantLinear:
-    """A loaded layer, still row-major (99 rows: 24 blocks of 4 for the kernels and 3 tail rows)."""
+def make_layer(kind: str, group: int, kernels, strategy: str, out_features=(70, 37), k=256) -> QuantLinear:
+    """A loaded layer, still row-major. 107 rows: for int8, 26 blocks of 4 and 3 tail rows; for
+    int4, 6 pairs of blocks of 8, one odd block and 3 tail rows: every path of the kernels."""
     policy = KernelPolicy(cpu=kernels, quantization=kind, int4_group_size=group, int4_matmul=strategy,
                           int4_gemv_m_threshold=4)
     layer = QuantLinear(k, list(out_features), bias=True, dtype=torch.float32, policy=policy)
@@ -69,7 +70,7 @@ def test_every_strategy_matches_the_dequantized_reference(kind, group, strategy,
              else dequantize_int4(layer.qweight, layer.scales, group))
     layer.interleave_for_cpu_kernel()
     assert layer.interleaved == (strategy != "no_kernels")
-    rows = torch.tensor([0, 5, 97, 98])  # embedding lookups: in blocks and in the tail
+    rows = torch.tensor([0, 5, 9, 103, 106])  # embedding lookups: in blocks and in the tail
     torch.testing.assert_close(layer.dequantized(rows), ref_w[rows])
     for m in [1, 2, 3, 4, 5, 8, 16, 33]:
         x = torch.randn(m, 256)
@@ -79,6 +80,29 @@ def test_every_strategy_matches_the_dequantized_reference(kind, group, strategy,
         tol = 2e-2 if layer.uses_packed_kernel(m) else 1e-4
         assert ((out - ref).norm() / ref.norm()).item() < tol, (m, layer.uses_packed_kernel(m))
     assert layer.uses_packed_kernel(1) == (strategy in ("packed", "auto") or (kind == "int8" and strategy != "no_kernels"))
+
+
+def int8_blocks(x: torch.Tensor) -> torch.Tensor:
+    """x as the packed kernels see it: rounded to int8 per run of 32 values (scale max|x| / 127)."""
+    runs = x.view(x.shape[0], -1, 32)
+    scale = runs.abs().amax(dim=2, keepdim=True) / 127.0
+    return (torch.round(runs / scale) * scale).view_as(x)
+
+
+@pytest.mark.parametrize("kind, group", [("int8", 0), ("int4", 32), ("int4", 64), ("int4", 128)])
+def test_packed_kernel_is_exact_given_its_int8_x(kind, group, kernels):
+    """With x rounded to int8 the same way, the packed kernel's integer arithmetic is exact: only
+    fp32 rounding remains. Tight enough to catch any misplaced weight, scale or offset."""
+    layer = make_layer(kind, group or 32, kernels, "packed")
+    ref_w = (dequantize_int8(layer.qweight, layer.scales) if kind == "int8"
+             else dequantize_int4(layer.qweight, layer.scales, group)).double()
+    layer.interleave_for_cpu_kernel()
+    for m in [1, 2, 3, 4, 5, 7, 9, 16, 37, 128] + ([130] if kind == "int4" else []):
+        assert layer.uses_packed_kernel(m)
+        x = torch.randn(m, 256)
+        ref = int8_blocks(x).double() @ ref_w.t() + layer.bias.double()
+        out = layer(x).double()
+        assert ((out - ref).norm() / ref.norm()).item() < 1e-5, m
 
 
 def test_auto_routes_by_m(kernels):
@@ -179,6 +203,22 @@ def test_int4_cache_hit_stale_corrupt_truncated(hf_models, cache_dir, tmp_path, 
     assert not hit
     _, hit = load_int4(path, cache_dir, caplog, int4_group_size=64)  # another layout: another entry
     assert not hit
+
+
+def test_int4_cache_entries_are_per_layout(hf_models, cache_dir, tmp_path, caplog):
+    """Entries hold the layout the model runs: one saved for Anna's CPU kernels is never read by a
+    model running without them (it gets its own row-major entry), and each reads back its own."""
+    path = tmp_path / "m"
+    shutil.copytree(hf_models["qwen3"][1], path)
+    kernels, hit = load_int4(path, cache_dir, caplog)
+    assert not hit and kernels.runner.model.lm_head.interleaved
+    plain, hit = load_int4(path, cache_dir, caplog, cpu_kernels=False)
+    assert not hit and not plain.runner.model.lm_head.interleaved
+    for settings in ({}, {"cpu_kernels": False}):
+        again, hit = load_int4(path, cache_dir, caplog, **settings)
+        assert hit
+        reference = kernels if not settings else plain
+        assert torch.equal(run_logits(again, PROMPT, 2)[0], run_logits(reference, PROMPT, 2)[0])
 
 
 def test_int4_cache_falls_back_when_the_model_dir_is_not_writable(hf_models, cache_dir, tmp_path, caplog):

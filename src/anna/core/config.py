@@ -72,7 +72,7 @@ class ServeSettings:
         "auto", "int4 execution: packed (kernel reads int4), dequant (unpack + dense GEMM), auto (by M).",
         choices=("auto", "packed", "dequant"))
     int4_gemv_m_threshold: int | None = _setting(
-        64, "int4 auto routing: matmuls with M <= this use the packed kernel, larger ones dequant; 0 = always dequant.")
+        2048, "int4 auto routing: matmuls with M <= this use the packed kernel, larger ones dequant; 0 = always dequant.")
     int4_cache_dir: str | None = _setting(
         "", "Where the int4 layout cache lives; empty = {model}/.anna/int4_cache (user cache dir if read-only).")
     int4_cache_load_workers: int | None = _setting(8, "Threads that read (and verify) the int4 layout cache.")

@@ -6,9 +6,11 @@ fp32: torch's bf16/fp16 GEMM on CPUs without native half-precision matrix instru
 several times slower than its fp32 GEMM. benchmarks/matmul_routing.py measures the crossovers.
 
 When Anna's kernels serve a layer, its weight is stored with rows interleaved (``interleave_rows``):
-blocks of 4 rows whose columns alternate in chunks (8 values; int8/int4: 32 weights), so that the
+blocks of 4 rows whose columns alternate in chunks (8 values; int8: 32 weights), so that the
 kernel streams one contiguous block instead of four short rows (about 20% more memory bandwidth
-at K = 896 on a 2-core Zen 3).
+at K = 896 on a 2-core Zen 3). int4 weights go one step further (``int4_row_lanes``): blocks of 8
+rows with one row per 32-bit lane, which lets the kernel's integer dot products serve 8 rows per
+instruction without horizontal sums.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from anna.model.cpu_kernels import CpuKernels
 if TYPE_CHECKING:
     from anna.runtime.profiler import RuntimeProfiler
 from anna.model.quantization import (INT4_BLOCK, dequantize_int4, dequantize_int8, quantize_int4,
-                                     quantize_int8)
+                                     quantize_int8, unpack_int4)
 
 
 @dataclass
@@ -38,24 +40,50 @@ class KernelPolicy:
     quantization: str = "none"  # none | int8 | int4
     int4_group_size: int = 32
     int4_matmul: str = "auto"  # auto | packed | dequant
-    int4_gemv_m_threshold: int = 64  # auto: packed kernel for M <= this, dequant + dense GEMM above
+    int4_gemv_m_threshold: int = 2048  # auto: packed kernel for M <= this, dequant + dense GEMM above
     profiler: "RuntimeProfiler | None" = None  # --profile-runtime
     fused_decode: bool = True  # decode-only CPU steps run the whole decoder stack in one C call
 
 
 PACK_ROWS, PACK_COLS = 4, 8  # cpu_kernels.c's block: 4 rows, columns in chunks of 8 values
+LANE_ROWS = 8  # quant_kernels.c's int4 block: 8 rows, one per 32-bit lane
 
 
-def interleave_rows(weight: torch.Tensor, chunk: int = PACK_COLS) -> torch.Tensor:
-    """[N, C] row-major -> the kernels' layout: for each block of 4 rows, C/chunk chunks of (4 rows
-    x chunk columns); the last N % 4 rows stay row-major at the end. Same shape, dtype and values."""
+def interleave_rows(weight: torch.Tensor, chunk: int = PACK_COLS, rows: int = PACK_ROWS) -> torch.Tensor:
+    """[N, C] row-major -> the kernels' layout: for each block of ``rows`` rows, C/chunk chunks of
+    (rows x chunk columns); the last N % rows rows stay row-major at the end. Same shape, dtype
+    and values."""
     n, c = weight.shape
-    full = n - n % PACK_ROWS
+    full = n - n % rows
     out = torch.empty_like(weight)
-    out[:full].view(full // PACK_ROWS, c // chunk, PACK_ROWS, chunk).copy_(
-        weight[:full].view(full // PACK_ROWS, PACK_ROWS, c // chunk, chunk).transpose(1, 2))
+    out[:full].view(full // rows, c // chunk, rows, chunk).copy_(
+        weight[:full].view(full // rows, rows, c // chunk, chunk).transpose(1, 2))
     out[full:] = weight[full:]
     return out
+
+
+def int4_row_lanes(qweight: torch.Tensor) -> torch.Tensor:
+    """Packed int4 [N, K/2] (quantization.py's row-major runs) -> quant_kernels.c's "row lanes":
+    per block of 8 rows and run of 32 columns k0.., 4 vectors of 32 bytes, byte 4j + i of vector l
+    holding row j's weights k0 + 4l + i (low nibble) and k0 + 16 + 4l + i (high nibble). The
+    last N % 8 rows stay as they are."""
+    n, half = qweight.shape
+    k, full = half * 2, n - n % LANE_ROWS
+    q = unpack_int4(qweight[:full]).view(full // LANE_ROWS, LANE_ROWS, k // INT4_BLOCK, 2, 4, 4)
+    lanes = q.permute(0, 2, 4, 1, 5, 3)  # [block, run, l, row j, i, low/high]
+    out = qweight.clone()
+    out[:full] = (lanes[..., 0] | (lanes[..., 1] << 4)).reshape(full, half)
+    return out
+
+
+def quantized_for_cpu_kernel(kind: int, qweight: torch.Tensor,
+                             scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Values and scales (row-major, as quantized) in the layout quant_kernels.c reads: int8
+    (kind 0) rows interleaved every 32 weights; int4 (kind 1) in row lanes, group scales in
+    blocks of 8 rows alternating every group."""
+    if kind == 0:
+        return interleave_rows(qweight, 32), scales
+    return int4_row_lanes(qweight), interleave_rows(scales, 1, LANE_ROWS)
 
 
 def gather_interleaved_rows(packed: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -183,18 +211,18 @@ class QuantLinear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(n, dtype=dtype), requires_grad=False) if bias else None
         self.policy = policy
         self.profile_name: str | None = None
-        self.interleaved = False  # qweight/scales in interleave_rows' layout, for Anna's CPU kernels
+        self.interleaved = False  # qweight/scales in quantized_for_cpu_kernel's layout
 
     shard_slice = Linear.shard_slice
 
-    def interleave_for_cpu_kernel(self) -> None:
-        """Store values and scales in the layout quant_kernels.c reads (once, after loading): rows
-        in blocks of 4 alternating every 32 weights, int4 group scales alternating every group."""
+    def interleave_for_cpu_kernel(self, converted: bool = False) -> None:
+        """Store values and scales in the layout quant_kernels.c reads (once, after loading;
+        ``converted``: they already are, as saved in the int4 layout cache)."""
         if self.interleaved or self.policy.cpu is None or self.qweight.device.type != "cpu":
             return
-        self.qweight.data = interleave_rows(self.qweight.data, 32 if self.kind == 0 else 16)
-        if self.kind == 1:
-            self.scales.data = interleave_rows(self.scales.data, 1)
+        if not converted:
+            self.qweight.data, self.scales.data = quantized_for_cpu_kernel(self.kind, self.qweight.data,
+                                                                           self.scales.data)
         self.interleaved = True
 
     def load(self, kind: str, shard: int, tensor: torch.Tensor, name: str, where: str) -> None:

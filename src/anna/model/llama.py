@@ -212,10 +212,13 @@ class LlamaForCausalLM(nn.Module):
                 targets["model.embed_tokens.weight"] = loader
         return targets
 
-    def interleave_for_cpu_kernels(self) -> None:
-        """After loading: store the weights Anna's CPU kernel serves in the layout it reads."""
+    def interleave_for_cpu_kernels(self, converted: bool = False) -> None:
+        """After loading: store the weights Anna's CPU kernel serves in the layout it reads
+        (``converted``: they already are, read back from the int4 layout cache)."""
         for module in self.modules():
-            if isinstance(module, (Linear, QuantLinear)):
+            if isinstance(module, QuantLinear):
+                module.interleave_for_cpu_kernel(converted)
+            elif isinstance(module, Linear):
                 module.interleave_for_cpu_kernel()
 
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]], where: str) -> set[str]:

@@ -86,11 +86,12 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, *, dtype: torch.dtype, d
     cache = int4_cache or Int4CacheOptions()
     if policy.quantization == "int4" and cache.enabled:
         root = int4_cache_mod.cache_root(model_dir, cache.directory, cache.user_cache_dir)
-        entry = root / int4_cache_mod.cache_key(files, policy.int4_group_size, device)
+        layout = "cpu-kernels" if policy.cpu is not None and device.type == "cpu" else "row-major"
+        entry = root / int4_cache_mod.cache_key(files, policy.int4_group_size, device, layout)
         state = int4_cache_mod.load_entry(entry, cache.load_workers)
         if state is not None:
             model.load_state_dict(state, strict=True)
-            model.interleave_for_cpu_kernels()
+            model.interleave_for_cpu_kernels(converted=True)
             log.info("Loaded the int4 layout from %s in %.2f s", entry, time.perf_counter() - start)
             return model
     needed = set(model.checkpoint_targets())
@@ -116,11 +117,11 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, *, dtype: torch.dtype, d
     tensors = {id(t): t for t in [*model.parameters(), *model.buffers(recurse=True)]}.values()
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
     log.info("Loaded %d shard(s), %.1f MiB of weights on %s in %.2f s", len(files), nbytes / 2**20, device, elapsed)
+    model.interleave_for_cpu_kernels()
     if entry is not None:
         try:
             int4_cache_mod.save_entry(entry, model.state_dict(), cache.load_workers)
             log.info("Saved the int4 layout cache to %s", entry)
         except OSError as exc:
             log.warning("Could not write the int4 layout cache to %s (%s)", entry, exc)
-    model.interleave_for_cpu_kernels()  # after the cache took the row-major layout it stores
     return model

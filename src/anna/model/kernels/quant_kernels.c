@@ -1,17 +1,23 @@
 /* Weight-only quantized matmuls for CPU decode: y[M,N] = x[M,K] . dequant(W)[N,K]^T (+ bias).
  *
  * Weights: int8 with one scale per output row, or int4 with one scale per group of G input
- * columns (symmetric, stored as q + 8 in a nibble). Each group of 32 weights of an int4 row is
- * 16 bytes: byte i holds weight i (low nibble) and weight i + 16 (high nibble).
- * x is quantized on the fly to int8 in blocks of 32 (one fp32 scale per block), so that dot
- * products run on integer units (AVX2 maddubs), as llama.cpp does; K must be a multiple of 32.
- * One call reads each weight row once for all M rows of x (the row stays in L1 meanwhile).
+ * columns (symmetric, stored as q + 8 in a nibble). x is quantized on the fly to int8 in blocks
+ * of 32 (one fp32 scale per block), so that dot products run on integer units (AVX2 maddubs), as
+ * llama.cpp does; K must be a multiple of 32. One call reads each weight row once for all M rows
+ * of x (a tile of rows stays in cache meanwhile). linear.py packs the tensors once, after loading.
  *
- * Layout ("interleaved rows", as in cpu_kernels.c): rows come in blocks of 4; within a block, each
- * 32-weight block of the 4 rows is contiguous (int4: 4 x 16 bytes, one cache line; int8: 4 x 32
- * bytes), and int4 group scales are [N / 4][K / G][4]. So a block of rows is one stream, not four
- * short ones (an int4 row of K = 896 is 448 bytes). The last N % 4 rows follow row-major, with
- * their scales. linear.py packs the tensors once, after loading. */
+ * int8 layout ("interleaved rows", as in cpu_kernels.c): rows in blocks of 4; within a block, each
+ * 32-weight run of the 4 rows is contiguous (4 x 32 bytes), so a block is one stream, not four
+ * short rows. The last N % 4 rows follow row-major.
+ *
+ * int4 layout ("row lanes"): rows in blocks of 8, one row per 32-bit lane of a vector. For each
+ * run of 32 input columns k0..k0+31, a block holds 4 vectors of 32 bytes; in vector l, byte
+ * 4j + i holds row j's weights k0 + 4l + i (low nibble) and k0 + 16 + 4l + i (high nibble).
+ * maddubs of a vector's low nibbles against x[k0+4l .. +3] broadcast to every lane then yields
+ * 8 rows' partial dot products at once, with no horizontal sums, and the int16 partial sums of
+ * a whole run (at most 8 x 2 x 15 x 127 = 30,480) add up without overflow before widening once.
+ * Group scales are [N / 8][K / G][8]. The last N % 8 rows are row-major: each run of 32 weights is
+ * 16 bytes, byte i holding weight i (low nibble) and weight i + 16 (high nibble), scales [n][K / G]. */
 #include <immintrin.h>
 #include <math.h>
 #include <omp.h>
@@ -35,8 +41,9 @@ INLINE __m256i dot_s8(__m256i a, __m256i b) {
     return _mm256_madd_epi16(p16, _mm256_set1_epi16(1));
 }
 
-/* x [M, K] fp32 -> xq [M, K] int8 and xs [M, K/32] scales */
-static void quantize_x(const float *x, int8_t *xq, float *xs, long M, long K) {
+/* x [M, K] fp32 -> xq [M, K] int8, xs [M, K/32] scales and xo [M, K/32] = 8 * (sum of the block's
+ * xq): the int4 kernels take the stored nibbles q = w + 8 as they are and subtract 8 * sum(x). */
+static void quantize_x(const float *x, int8_t *xq, float *xs, int32_t *xo, long M, long K) {
     long blocks = K / 32;
     for (long m = 0; m < M; m++)
         for (long b = 0; b < blocks; b++) {
@@ -46,7 +53,12 @@ static void quantize_x(const float *x, int8_t *xq, float *xs, long M, long K) {
             float d = amax / 127.0f, id = d > 0 ? 1.0f / d : 0.0f;
             xs[m * blocks + b] = d;
             int8_t *dst = xq + m * K + b * 32;
-            for (int i = 0; i < 32; i++) dst[i] = (int8_t)lrintf(src[i] * id);
+            int32_t sum = 0;
+            for (int i = 0; i < 32; i++) {
+                dst[i] = (int8_t)lrintf(src[i] * id);
+                sum += dst[i];
+            }
+            xo[m * blocks + b] = 8 * sum;
         }
 }
 
@@ -57,24 +69,15 @@ INLINE __m256i unpack_q4_unsigned(const uint8_t *p) {
     return _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
 }
 
-/* int4 dot products without the sign trick: maddubs takes the stored nibbles q (unsigned) against
- * signed x directly (|q * x| pairs stay far below int16's limit), and the -8 offset comes off
- * afterwards as 8 * (sum of x), lane by lane: offset8(x) computed once per block of x. */
-INLINE __m256i dot_q4u(__m256i q, __m256i x, __m256i x_offset) {
-    __m256i p32 = _mm256_madd_epi16(_mm256_maddubs_epi16(q, x), _mm256_set1_epi16(1));
-    return _mm256_sub_epi32(p32, x_offset);
-}
-
-INLINE __m256i offset8(__m256i x) {
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(8), x), _mm256_set1_epi16(1));
-}
-
-#define PACK_ROWS 4
+#define PACK_ROWS 4   /* int8 */
+#define LANE_ROWS 8   /* int4 */
+#define LANE_TILE_X 4 /* rows of x per int4 tile */
+#define LANE_RUNS 16  /* int4: runs of 32 columns per pass over a tile's rows of x (keeps them in L1) */
 #define PREFETCH_BYTES 1024
 
 /* One row-major row (the tail rows). kind 0: int8 rows (row scale); kind 1: int4 groups of G. */
 INLINE float row_dot(int kind, const void *w, const float *ws, long n, long K, long G, const int8_t *xq,
-                     const float *xs) {
+                     const float *xs, const int32_t *xo) {
     long blocks = K / 32;
     __m256 acc = _mm256_setzero_ps();
     if (kind == 0) {
@@ -88,134 +91,198 @@ INLINE float row_dot(int kind, const void *w, const float *ws, long n, long K, l
     }
     const uint8_t *wr = (const uint8_t *)w + n * (K / 2);
     const float *gs = ws + n * (K / G);
-    int pg_shift = G >= 128 ? 2 : G == 64 ? 1 : 0;
+    long runs_per_group = G / 32;
+    float offset = 0.0f;  /* sum over runs of scale * 8 * sum(x): the stored nibbles are w + 8 */
     for (long b = 0; b < blocks; b++) {
         __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + b * 32));
-        __m256i dot = dot_q4u(unpack_q4_unsigned(wr + b * 16), xv, offset8(xv));
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(xs[b] * gs[b >> pg_shift]), acc);
+        __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(unpack_q4_unsigned(wr + b * 16), xv), _mm256_set1_epi16(1));
+        float scale = xs[b] * gs[b / runs_per_group];
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(scale), acc);
+        offset += (float)xo[b] * scale;
     }
-    return hsum(acc);
+    return hsum(acc) - offset;
 }
 
-/* One block of 4 packed rows (starting at `blk`) against one row of x: four independent
- * accumulators. kind 0: int8, row scales; kind 1: int4, group scales; kind 2: int4 already
- * unpacked to one byte per stored nibble (same block order, 4 x 32 bytes per step), group scales.
- * gs: the block's group scales ([K / G][4]); `prefetch` asks for the lines PREFETCH_BYTES ahead. */
-INLINE void rows4_dot(int kind, const uint8_t *blk, const float *ws, long n, const float *gs, long K, long G,
-                      const int8_t *xq, const float *xs, int prefetch, float out[4]) {
-    long blocks = K / 32;
+/* int8: one block of 4 packed rows (starting at `blk`) against one row of x: four independent
+ * accumulators; `prefetch` asks for the lines PREFETCH_BYTES ahead. */
+INLINE void rows4_dot_s8(const int8_t *blk, const float *ws, long n, long K, const int8_t *xq, const float *xs,
+                         int prefetch, float out[4]) {
+    long blocks = K / 32, step = PACK_ROWS * 32;
     __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-    int pg_shift = G >= 128 ? 2 : G == 64 ? 1 : 0;  /* blocks of 32 per group, as a shift: no division */
-    long row_step = kind == 1 ? 16 : 32, step = PACK_ROWS * row_step;
     for (long b = 0; b < blocks; b++) {
-        const uint8_t *p = blk + b * step;
+        const int8_t *p = blk + b * step;
         if (prefetch) {
             _mm_prefetch((const char *)p + PREFETCH_BYTES, _MM_HINT_T0);
-            if (step > 64) _mm_prefetch((const char *)p + PREFETCH_BYTES + 64, _MM_HINT_T0);
+            _mm_prefetch((const char *)p + PREFETCH_BYTES + 64, _MM_HINT_T0);
         }
         __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + b * 32));
-        __m256i x_offset = kind == 0 ? _mm256_setzero_si256() : offset8(xv);  /* int4 only */
+        __m256 sc = _mm256_set1_ps(xs[b]);
         for (int r = 0; r < 4; r++) {
-            __m256i dot;
-            if (kind == 0) dot = dot_s8(_mm256_loadu_si256((const __m256i *)(p + r * row_step)), xv);
-            else if (kind == 1) dot = dot_q4u(unpack_q4_unsigned(p + r * row_step), xv, x_offset);
-            else dot = dot_q4u(_mm256_loadu_si256((const __m256i *)(p + r * row_step)), xv, x_offset);
-            float sc = kind == 0 ? xs[b] : xs[b] * gs[(b >> pg_shift) * PACK_ROWS + r];
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(sc), acc[r]);
+            __m256i dot = dot_s8(_mm256_loadu_si256((const __m256i *)(p + r * 32)), xv);
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), sc, acc[r]);
         }
     }
-    for (int r = 0; r < 4; r++) out[r] = hsum(acc[r]) * (kind == 0 ? ws[n + r] : 1.0f);
+    for (int r = 0; r < 4; r++) out[r] = hsum(acc[r]) * ws[n + r];
 }
 
-/* Rows [b, e) of the packed part (multiples of 4) for all M rows of x. */
-INLINE void run(int kind, const int8_t *xq, const float *xs, const void *w, const float *ws, const float *bias,
-                float *y, long M, long N, long K, long G, long b, long e) {
-    long blocks = K / 32;
-    long row_bytes = kind == 0 ? K : K / 2, groups = kind == 1 ? K / G : 0;
-    /* int4 with several rows of x: unpack each block once (to L1) instead of once per row of x */
-    int8_t *unpacked = (kind == 1 && M > 1) ? (int8_t *)malloc(PACK_ROWS * K) : 0;
-    for (long n = b; n < e; n += PACK_ROWS) {
-        const uint8_t *blk = (const uint8_t *)w + n * row_bytes;
-        const float *gs = ws + n * groups;
-        int use_kind = kind;
-        if (unpacked) {
-            for (long bb = 0; bb < blocks; bb++) {
-                _mm_prefetch((const char *)blk + bb * 64 + PREFETCH_BYTES, _MM_HINT_T0);
-                for (int r = 0; r < PACK_ROWS; r++)
-                    _mm256_storeu_si256((__m256i *)(unpacked + (bb * PACK_ROWS + r) * 32), unpack_q4_unsigned(blk + bb * 64 + r * 16));
-            }
-            blk = (const uint8_t *)unpacked;
-            use_kind = 2;
-        }
+/* int8: rows [b, e) of the packed part (multiples of 4) for all M rows of x. */
+static void run_s8(const int8_t *xq, const float *xs, const int8_t *w, const float *ws, const float *bias, float *y,
+                   long M, long N, long K, long b, long e) {
+    for (long n = b; n < e; n += PACK_ROWS)
         for (long m = 0; m < M; m++) {
             float out[4];
-            if (use_kind == 0)
-                rows4_dot(0, blk, ws, n, gs, K, G, xq + m * K, xs + m * blocks, m == 0, out);
-            else if (use_kind == 1)
-                rows4_dot(1, blk, ws, n, gs, K, G, xq + m * K, xs + m * blocks, m == 0, out);
-            else
-                rows4_dot(2, blk, ws, n, gs, K, G, xq + m * K, xs + m * blocks, 0, out);
+            rows4_dot_s8(w + n * K, ws, n, K, xq + m * K, xs + m * (K / 32), m == 0, out);
             for (int r = 0; r < 4; r++) y[m * N + n + r] = out[r] + (bias ? bias[n + r] : 0.0f);
         }
-    }
-    free(unpacked);
 }
 
-/* kind: 0 = int8, 1 = int4. ws: int8 row scales [N] or int4 group scales (interleaved, see above). */
+/* int4: TW blocks of 8 rows (w, block stride wstride; their scales gs, stride gstride) against TM
+ * rows of x, over runs [b0, b1), adding into y (TM rows of stride ystride, 8 * TW columns).
+ * `prefetch`: the first pass over these weights asks for them PREFETCH_BYTES ahead. */
+INLINE void lane_tile(int TW, int TM, const uint8_t *w, long wstride, const float *gs, long gstride,
+                      const int8_t *xq, const float *xs, const int32_t *xo, long K, long G, float *y, long ystride,
+                      long b0, long b1, int prefetch) {
+    long blocks = K / 32, runs_per_group = G / 32;
+    const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    __m256 accf[2][LANE_TILE_X];
+    for (int t = 0; t < TW; t++)
+        for (int m = 0; m < TM; m++) accf[t][m] = _mm256_loadu_ps(y + m * ystride + t * 8);
+    for (long b = b0; b < b1; b++) {
+        __m256i acc[2][LANE_TILE_X];  /* int16 partial sums of this run */
+        for (int t = 0; t < TW; t++) {
+            for (int m = 0; m < TM; m++) acc[t][m] = _mm256_setzero_si256();
+            if (prefetch) {
+                const char *p = (const char *)(w + t * wstride + b * 128) + PREFETCH_BYTES;
+                _mm_prefetch(p, _MM_HINT_T0);
+                _mm_prefetch(p + 64, _MM_HINT_T0);
+            }
+        }
+        /* not unrolled: unrolled, gcc computes every product first and spills them all */
+        _Pragma("GCC unroll 1") for (int l = 0; l < 4; l++) {
+            __m256i lo[2], hi[2];
+            for (int t = 0; t < TW; t++) {
+                __m256i v = _mm256_loadu_si256((const __m256i *)(w + t * wstride + b * 128 + l * 32));
+                lo[t] = _mm256_and_si256(v, low);
+                hi[t] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+            }
+            for (int m = 0; m < TM; m++) {
+                const int8_t *xp = xq + m * K + b * 32 + 4 * l;
+                __m256i xlo = _mm256_set1_epi32(*(const int32_t *)xp);
+                __m256i xhi = _mm256_set1_epi32(*(const int32_t *)(xp + 16));
+                for (int t = 0; t < TW; t++) {
+                    acc[t][m] = _mm256_add_epi16(acc[t][m], _mm256_maddubs_epi16(lo[t], xlo));
+                    acc[t][m] = _mm256_add_epi16(acc[t][m], _mm256_maddubs_epi16(hi[t], xhi));
+                }
+            }
+        }
+        for (int t = 0; t < TW; t++) {
+            __m256 scale = _mm256_loadu_ps(gs + t * gstride + (b / runs_per_group) * LANE_ROWS);
+            for (int m = 0; m < TM; m++) {
+                __m256i dot = _mm256_sub_epi32(_mm256_madd_epi16(acc[t][m], ones), _mm256_set1_epi32(xo[m * blocks + b]));
+                accf[t][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(scale, _mm256_set1_ps(xs[m * blocks + b])),
+                                             accf[t][m]);
+            }
+        }
+    }
+    for (int t = 0; t < TW; t++)
+        for (int m = 0; m < TM; m++) _mm256_storeu_ps(y + m * ystride + t * 8, accf[t][m]);
+}
+
+/* int4: TW (1 or 2) blocks of 8 rows starting at row n, for all M rows of x. */
+INLINE void run_lanes(int TW, const int8_t *xq, const float *xs, const int32_t *xo, const uint8_t *w, const float *ws,
+                      const float *bias, float *y, long M, long N, long K, long G, long n) {
+    long blocks = K / 32, wstride = LANE_ROWS * K / 2, gstride = LANE_ROWS * (K / G);
+    const uint8_t *wp = w + n * (K / 2);
+    const float *gp = ws + n * (K / G);
+    for (long m = 0; m < M; m++)
+        for (int j = 0; j < TW * LANE_ROWS; j++) y[m * N + n + j] = bias ? bias[n + j] : 0.0f;
+    for (long b0 = 0; b0 < blocks; b0 += LANE_RUNS) {
+        long b1 = b0 + LANE_RUNS < blocks ? b0 + LANE_RUNS : blocks;
+        for (long m = 0; m < M; m += LANE_TILE_X) {
+            const int8_t *xp = xq + m * K;
+            const float *sp = xs + m * blocks;
+            const int32_t *op = xo + m * blocks;
+            float *yp = y + m * N + n;
+            long tm = M - m < LANE_TILE_X ? M - m : LANE_TILE_X;
+#define LANE_CASE(T) case T: lane_tile(TW, T, wp, wstride, gp, gstride, xp, sp, op, K, G, yp, N, b0, b1, m == 0); break;
+            switch (tm) { LANE_CASE(1) LANE_CASE(2) LANE_CASE(3) default: LANE_CASE(4) }
+#undef LANE_CASE
+        }
+    }
+}
+
+/* kind: 0 = int8, 1 = int4. ws: int8 row scales [N] or int4 group scales (layouts above). */
 void anna_qgemm(const float *x, const void *w, const float *ws, int kind, long G, const float *bias, float *y,
                 long M, long N, long K, int threads) {
+    long blocks = K / 32;
     int8_t *xq = (int8_t *)malloc(M * K);
-    float *xs = (float *)malloc(sizeof(float) * M * (K / 32));
-    quantize_x(x, xq, xs, M, K);
-    long packed = N / PACK_ROWS * PACK_ROWS;
+    float *xs = (float *)malloc(sizeof(float) * M * blocks);
+    int32_t *xo = (int32_t *)malloc(sizeof(int32_t) * M * blocks);
+    quantize_x(x, xq, xs, xo, M, K);
+    long unit = kind == 0 ? PACK_ROWS : 2 * LANE_ROWS;  /* rows per unit of work */
+    long packed = kind == 0 ? N / PACK_ROWS * PACK_ROWS : N / LANE_ROWS * LANE_ROWS, units = packed / unit;
     #pragma omp parallel num_threads(threads)
     {
         int t = omp_get_thread_num(), nt = omp_get_num_threads();
-        long per = (N / PACK_ROWS + nt - 1) / nt;
-        long b = t * per * PACK_ROWS, e = (t + 1) * per * PACK_ROWS;
-        if (e > packed) e = packed;
-        if (b < e) {
-            if (kind == 0) run(0, xq, xs, w, ws, bias, y, M, N, K, G, b, e);
-            else run(1, xq, xs, w, ws, bias, y, M, N, K, G, b, e);
+        long per = (units + nt - 1) / nt, b = t * per, e = b + per < units ? b + per : units;
+        if (kind == 0) {
+            if (b < e) run_s8(xq, xs, (const int8_t *)w, ws, bias, y, M, N, K, b * unit, e * unit);
+        } else {
+            for (long u = b; u < e; u++) run_lanes(2, xq, xs, xo, (const uint8_t *)w, ws, bias, y, M, N, K, G, u * unit);
         }
-        if (t == nt - 1)
+        if (t == nt - 1) {
+            if (kind == 1 && units * unit < packed)  /* an odd block of 8 rows */
+                run_lanes(1, xq, xs, xo, (const uint8_t *)w, ws, bias, y, M, N, K, G, units * unit);
             for (long n = packed; n < N; n++)
                 for (long m = 0; m < M; m++)
-                    y[m * N + n] = row_dot(kind, w, ws, n, K, G, xq + m * K, xs + m * (K / 32)) + (bias ? bias[n] : 0.0f);
+                    y[m * N + n] = row_dot(kind, w, ws, n, K, G, xq + m * K, xs + m * blocks, xo + m * blocks) +
+                                   (bias ? bias[n] : 0.0f);
+        }
     }
     free(xq);
     free(xs);
+    free(xo);
 }
 
 /* Dequantize rows of packed weights (all N when rows is NULL, else the R listed) to fp32
  * row-major: the "dequant" strategy for large M, and embedding lookups. */
 void anna_dequant(const void *w, const float *ws, int kind, long G, const long *rows, long R, long N, long K,
                   float *out, int threads) {
-    long packed = N / PACK_ROWS * PACK_ROWS, groups = kind == 1 ? K / G : 0;
+    long block_rows = kind == 0 ? PACK_ROWS : LANE_ROWS;
+    long packed = N / block_rows * block_rows, groups = kind == 1 ? K / G : 0;
     #pragma omp parallel for num_threads(threads) if (R > 16)
     for (long i = 0; i < R; i++) {
         long n = rows ? rows[i] : i;
         int in_block = n < packed;
-        long r = in_block ? n % PACK_ROWS : 0, first = in_block ? n - r : n;  /* the block's first row */
-        long lanes = in_block ? PACK_ROWS : 1;  /* rows interleaved at this row's position */
+        long r = in_block ? n % block_rows : 0, first = in_block ? n - r : n;  /* the block's first row */
         float *o = out + i * K;
         if (kind == 0) {
+            long lanes = in_block ? PACK_ROWS : 1;  /* rows interleaved at this row's position */
             const int8_t *base = (const int8_t *)w + first * K;
             for (long k = 0; k < K; k += 32) {
                 const int8_t *p = base + k * lanes + r * 32;
                 for (int j = 0; j < 32; j++) o[k + j] = p[j] * ws[n];
             }
-        } else {
+        } else if (in_block) {
             const uint8_t *base = (const uint8_t *)w + first * (K / 2);
             const float *gs = ws + first * groups;
             for (long k = 0; k < K; k += 32) {
-                const uint8_t *p = base + (k / 2) * lanes + r * 16;
-                float s = gs[(k / G) * lanes + r];
-                for (int j = 0; j < 16; j++) {
-                    o[k + j] = (float)((p[j] & 0x0F) - 8) * s;
-                    o[k + 16 + j] = (float)((p[j] >> 4) - 8) * s;
-                }
+                float s = gs[(k / G) * LANE_ROWS + r];
+                for (int l = 0; l < 4; l++)
+                    for (int i = 0; i < 4; i++) {
+                        uint8_t byte = base[(k / 32) * 128 + l * 32 + 4 * r + i];
+                        o[k + 4 * l + i] = (float)((byte & 0x0F) - 8) * s;
+                        o[k + 16 + 4 * l + i] = (float)((byte >> 4) - 8) * s;
+                    }
             }
+        } else {
+            const uint8_t *p = (const uint8_t *)w + n * (K / 2);
+            const float *gs = ws + n * groups;
+            for (long k = 0; k < K; k += 32)
+                for (int j = 0; j < 16; j++) {
+                    o[k + j] = (float)((p[k / 2 + j] & 0x0F) - 8) * gs[k / G];
+                    o[k + 16 + j] = (float)((p[k / 2 + j] >> 4) - 8) * gs[k / G];
+                }
         }
     }
 }
