@@ -41,25 +41,37 @@ INLINE __m256i dot_s8(__m256i a, __m256i b) {
     return _mm256_madd_epi16(p16, _mm256_set1_epi16(1));
 }
 
-/* x [M, K] fp32 -> xq [M, K] int8, xs [M, K/32] scales and xo [M, K/32] = 8 * (sum of the block's
- * xq): the int4 kernels take the stored nibbles q = w + 8 as they are and subtract 8 * sum(x). */
-static void quantize_x(const float *x, int8_t *xq, float *xs, int32_t *xo, long M, long K) {
-    long blocks = K / 32;
-    for (long m = 0; m < M; m++)
-        for (long b = 0; b < blocks; b++) {
-            const float *src = x + m * K + b * 32;
-            float amax = 0.0f;
-            for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(src[i]));
-            float d = amax / 127.0f, id = d > 0 ? 1.0f / d : 0.0f;
-            xs[m * blocks + b] = d;
-            int8_t *dst = xq + m * K + b * 32;
-            int32_t sum = 0;
-            for (int i = 0; i < 32; i++) {
-                dst[i] = (int8_t)lrintf(src[i] * id);
-                sum += dst[i];
-            }
-            xo[m * blocks + b] = 8 * sum;
+/* One row of x [K] fp32 -> xq [K] int8, xs [K/32] scales and xo [K/32] = 8 * (sum of the block's
+ * xq): the int4 kernels take the stored nibbles q = w + 8 as they are and subtract 8 * sum(x).
+ * Rounds like lrintf(x / scale) (to nearest even), scale = max|x| / 127 per block of 32. */
+static void quantize_x_row(const float *x, int8_t *xq, float *xs, int32_t *xo, long K) {
+    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  /* undo the packs' lane interleaving */
+    for (long b = 0; b < K / 32; b++) {
+        const float *src = x + b * 32;
+        __m256 v[4], amax = _mm256_setzero_ps();
+        for (int i = 0; i < 4; i++) {
+            v[i] = _mm256_loadu_ps(src + 8 * i);
+            amax = _mm256_max_ps(amax, _mm256_and_ps(v[i], abs_mask));
         }
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+        float d = _mm_cvtss_f32(m4) / 127.0f, id = d > 0 ? 1.0f / d : 0.0f;
+        __m256 mul = _mm256_set1_ps(id);
+        __m256i q[4], sum = _mm256_setzero_si256();
+        for (int i = 0; i < 4; i++) {
+            q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], mul));
+            sum = _mm256_add_epi32(sum, q[i]);
+        }
+        __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+        _mm256_storeu_si256((__m256i *)(xq + b * 32), _mm256_permutevar8x32_epi32(packed, order));
+        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+        xs[b] = d;
+        xo[b] = 8 * _mm_cvtsi128_si32(s4);
+    }
 }
 
 /* 16 bytes -> 32 stored nibbles q (0..15, the weight is q - 8) */
@@ -188,26 +200,39 @@ INLINE void lane_tile(int TW, int TM, const uint8_t *w, long wstride, const floa
         for (int m = 0; m < TM; m++) _mm256_storeu_ps(y + m * ystride + t * 8, accf[t][m]);
 }
 
-/* int4: TW (1 or 2) blocks of 8 rows starting at row n, for all M rows of x. */
+/* int4: TW (1 or 2) blocks of 8 rows starting at row n, for all M rows of x, over runs [b0, b1)
+ * (adding into y, which holds the bias or the earlier runs' sums). */
 INLINE void run_lanes(int TW, const int8_t *xq, const float *xs, const int32_t *xo, const uint8_t *w, const float *ws,
-                      const float *bias, float *y, long M, long N, long K, long G, long n) {
+                      float *y, long M, long N, long K, long G, long n, long b0, long b1) {
     long blocks = K / 32, wstride = LANE_ROWS * K / 2, gstride = LANE_ROWS * (K / G);
     const uint8_t *wp = w + n * (K / 2);
     const float *gp = ws + n * (K / G);
-    for (long m = 0; m < M; m++)
-        for (int j = 0; j < TW * LANE_ROWS; j++) y[m * N + n + j] = bias ? bias[n + j] : 0.0f;
-    for (long b0 = 0; b0 < blocks; b0 += LANE_RUNS) {
-        long b1 = b0 + LANE_RUNS < blocks ? b0 + LANE_RUNS : blocks;
-        for (long m = 0; m < M; m += LANE_TILE_X) {
-            const int8_t *xp = xq + m * K;
-            const float *sp = xs + m * blocks;
-            const int32_t *op = xo + m * blocks;
-            float *yp = y + m * N + n;
-            long tm = M - m < LANE_TILE_X ? M - m : LANE_TILE_X;
+    for (long m = 0; m < M; m += LANE_TILE_X) {
+        const int8_t *xp = xq + m * K;
+        const float *sp = xs + m * blocks;
+        const int32_t *op = xo + m * blocks;
+        float *yp = y + m * N + n;
+        long tm = M - m < LANE_TILE_X ? M - m : LANE_TILE_X;
 #define LANE_CASE(T) case T: lane_tile(TW, T, wp, wstride, gp, gstride, xp, sp, op, K, G, yp, N, b0, b1, m == 0); break;
-            switch (tm) { LANE_CASE(1) LANE_CASE(2) LANE_CASE(3) default: LANE_CASE(4) }
+        switch (tm) { LANE_CASE(1) LANE_CASE(2) LANE_CASE(3) default: LANE_CASE(4) }
 #undef LANE_CASE
-        }
+    }
+}
+
+/* int4: this thread's units of 2 blocks of 8 rows, [u0, u1), plus the odd block of 8 rows when
+ * `odd`. A single tile of x runs the units one after another (the weights stream once); with
+ * more rows of x, runs go in chunks of LANE_RUNS across all units, so that the chunk of x stays
+ * in cache while the thread's weights pass (K = 4864 at M = 64 is 311 KB of x). */
+static void run_int4(const int8_t *xq, const float *xs, const int32_t *xo, const uint8_t *w, const float *ws,
+                     const float *bias, float *y, long M, long N, long K, long G, long u0, long u1, int odd) {
+    long blocks = K / 32, unit = 2 * LANE_ROWS, rows_end = u1 * unit + (odd ? LANE_ROWS : 0);
+    for (long m = 0; m < M; m++)
+        for (long n = u0 * unit; n < rows_end; n++) y[m * N + n] = bias ? bias[n] : 0.0f;
+    long chunk = M <= LANE_TILE_X ? blocks : LANE_RUNS;
+    for (long b0 = 0; b0 < blocks; b0 += chunk) {
+        long b1 = b0 + chunk < blocks ? b0 + chunk : blocks;
+        for (long u = u0; u < u1; u++) run_lanes(2, xq, xs, xo, w, ws, y, M, N, K, G, u * unit, b0, b1);
+        if (odd) run_lanes(1, xq, xs, xo, w, ws, y, M, N, K, G, u1 * unit, b0, b1);
     }
 }
 
@@ -218,26 +243,29 @@ void anna_qgemm(const float *x, const void *w, const float *ws, int kind, long G
     int8_t *xq = (int8_t *)malloc(M * K);
     float *xs = (float *)malloc(sizeof(float) * M * blocks);
     int32_t *xo = (int32_t *)malloc(sizeof(int32_t) * M * blocks);
-    quantize_x(x, xq, xs, xo, M, K);
     long unit = kind == 0 ? PACK_ROWS : 2 * LANE_ROWS;  /* rows per unit of work */
     long packed = kind == 0 ? N / PACK_ROWS * PACK_ROWS : N / LANE_ROWS * LANE_ROWS, units = packed / unit;
     #pragma omp parallel num_threads(threads)
     {
         int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        for (long m = t; m < M; m += nt)
+            quantize_x_row(x + m * K, xq + m * K, xs + m * blocks, xo + m * blocks, K);
+        #pragma omp barrier
         long per = (units + nt - 1) / nt, b = t * per, e = b + per < units ? b + per : units;
+        int last = t == nt - 1;
+        if (b > e) b = e;
         if (kind == 0) {
             if (b < e) run_s8(xq, xs, (const int8_t *)w, ws, bias, y, M, N, K, b * unit, e * unit);
         } else {
-            for (long u = b; u < e; u++) run_lanes(2, xq, xs, xo, (const uint8_t *)w, ws, bias, y, M, N, K, G, u * unit);
+            /* the last thread also takes the odd block of 8 rows */
+            int odd = last && units * unit < packed;
+            if (b < e || odd) run_int4(xq, xs, xo, (const uint8_t *)w, ws, bias, y, M, N, K, G, b, e, odd);
         }
-        if (t == nt - 1) {
-            if (kind == 1 && units * unit < packed)  /* an odd block of 8 rows */
-                run_lanes(1, xq, xs, xo, (const uint8_t *)w, ws, bias, y, M, N, K, G, units * unit);
+        if (last)
             for (long n = packed; n < N; n++)
                 for (long m = 0; m < M; m++)
                     y[m * N + n] = row_dot(kind, w, ws, n, K, G, xq + m * K, xs + m * blocks, xo + m * blocks) +
                                    (bias ? bias[n] : 0.0f);
-        }
     }
     free(xq);
     free(xs);
