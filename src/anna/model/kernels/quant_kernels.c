@@ -294,14 +294,19 @@ void anna_dequant(const void *w, const float *ws, int kind, long G, const long *
         } else if (in_block) {
             const uint8_t *base = (const uint8_t *)w + first * (K / 2);
             const float *gs = ws + first * groups;
+            const __m128i low = _mm_set1_epi8(0x0F);
+            const __m128 eight = _mm_set1_ps(8.0f);
             for (long k = 0; k < K; k += 32) {
-                float s = gs[(k / G) * LANE_ROWS + r];
-                for (int l = 0; l < 4; l++)
-                    for (int i = 0; i < 4; i++) {
-                        uint8_t byte = base[(k / 32) * 128 + l * 32 + 4 * r + i];
-                        o[k + 4 * l + i] = (float)((byte & 0x0F) - 8) * s;
-                        o[k + 16 + 4 * l + i] = (float)((byte >> 4) - 8) * s;
-                    }
+                __m128 s = _mm_set1_ps(gs[(k / G) * LANE_ROWS + r]);
+                for (int l = 0; l < 4; l++) {  /* this row's 4 bytes of vector l: 4 + 4 weights */
+                    int32_t word;
+                    __builtin_memcpy(&word, base + (k / 32) * 128 + l * 32 + 4 * r, 4);
+                    __m128i v = _mm_cvtsi32_si128(word);
+                    __m128 lo = _mm_cvtepi32_ps(_mm_cvtepu8_epi32(_mm_and_si128(v, low)));
+                    __m128 hi = _mm_cvtepi32_ps(_mm_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(v, 4), low)));
+                    _mm_storeu_ps(o + k + 4 * l, _mm_mul_ps(_mm_sub_ps(lo, eight), s));
+                    _mm_storeu_ps(o + k + 16 + 4 * l, _mm_mul_ps(_mm_sub_ps(hi, eight), s));
+                }
             }
         } else {
             const uint8_t *p = (const uint8_t *)w + n * (K / 2);
