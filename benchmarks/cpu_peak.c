@@ -1,0 +1,66 @@
+/* Arithmetic ceilings of this CPU for Anna's kernels: fp32 FMA (the bf16/fp16 kernels) and
+ * int8 maddubs + int16 add (the int4 kernel), on every thread at once, register operands only.
+ *
+ *   cc -O2 -mavx2 -mfma -fopenmp benchmarks/cpu_peak.c -o /tmp/cpu_peak && /tmp/cpu_peak [threads]
+ *
+ * Ten independent accumulators hide the FMA latency; the empty asm keeps the compiler from
+ * hoisting the work out of the loop. */
+#include <immintrin.h>
+#include <omp.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+#define TEN(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9)
+#define EIGHT(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7)
+
+static double fma_gflops(int threads, long iters) {
+    double t0 = omp_get_wtime();
+    volatile float sink = 0;
+    #pragma omp parallel num_threads(threads)
+    {
+        __m256 a = _mm256_set1_ps(1.0001f), b = _mm256_set1_ps(0.9999f);
+#define INIT(i) __m256 f##i = _mm256_set1_ps((float)i);
+        TEN(INIT)
+        for (long n = 0; n < iters; n++) {
+            __asm__ volatile("" : "+x"(a), "+x"(b));
+#define STEP(i) f##i = _mm256_fmadd_ps(a, b, f##i);
+            TEN(STEP)
+        }
+#define SUM(i) + f##i[0]
+        sink += 0 TEN(SUM);
+    }
+    return threads * iters * 10.0 * 16 / (omp_get_wtime() - t0) / 1e9;
+}
+
+static double maddubs_gops(int threads, long iters) {
+    double t0 = omp_get_wtime();
+    volatile int sink = 0;
+    #pragma omp parallel num_threads(threads)
+    {
+        __m256i w0 = _mm256_set1_epi8(1), w1 = _mm256_set1_epi8(2), w2 = _mm256_set1_epi8(3), w3 = _mm256_set1_epi8(4);
+        __m256i x0 = _mm256_set1_epi8(5), x1 = _mm256_set1_epi8(6), x2 = _mm256_set1_epi8(7), x3 = _mm256_set1_epi8(8);
+#define IINIT(i) __m256i a##i = _mm256_setzero_si256();
+        EIGHT(IINIT)
+        for (long n = 0; n < iters; n++) {
+            __asm__ volatile("" : "+x"(w0), "+x"(w1), "+x"(w2), "+x"(w3), "+x"(x0), "+x"(x1), "+x"(x2), "+x"(x3));
+            /* the int4 kernel's inner step: two products (low and high nibbles) into each sum,
+             * 16 distinct (weights, x) pairs so that none is computed once for two */
+#define ISTEP(i, w, xa, xb) a##i = _mm256_add_epi16(a##i, _mm256_maddubs_epi16(w, xa)); \
+                            a##i = _mm256_add_epi16(a##i, _mm256_maddubs_epi16(w, xb));
+            ISTEP(0, w0, x0, x2) ISTEP(1, w1, x0, x2) ISTEP(2, w2, x0, x2) ISTEP(3, w3, x0, x2)
+            ISTEP(4, w0, x1, x3) ISTEP(5, w1, x1, x3) ISTEP(6, w2, x1, x3) ISTEP(7, w3, x1, x3)
+        }
+#define ISUM(i) + _mm256_extract_epi16(a##i, 0)
+        sink += 0 EIGHT(ISUM);
+    }
+    /* each maddubs: 32 multiply-adds = 64 operations */
+    return threads * iters * 16.0 * 64 / (omp_get_wtime() - t0) / 1e9;
+}
+
+int main(int argc, char **argv) {
+    int threads = argc > 1 ? atoi(argv[1]) : omp_get_max_threads();
+    long iters = 200000000;
+    printf("%d threads: fp32 FMA %.0f GFLOPS; int8 maddubs + int16 add %.0f GOPS\n", threads,
+           fma_gflops(threads, iters), maddubs_gops(threads, iters / 2));
+    return 0;
+}
