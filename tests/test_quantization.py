@@ -91,7 +91,8 @@ def int8_blocks(x: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("kind, group", [("int8", 0), ("int4", 32), ("int4", 64), ("int4", 128)])
-@pytest.mark.parametrize("out_features", [(70, 37), (9, 2), (3,)])  # 107 rows; one block of 8 + 3; only a tail
+# 107 rows; one block of 8 + 3; only a tail; more rows than one slice of int4_row_lanes (8,192)
+@pytest.mark.parametrize("out_features", [(70, 37), (9, 2), (3,), (8200, 11)])
 def test_packed_kernel_is_exact_given_its_int8_x(kind, group, out_features, kernels):
     """With x rounded to int8 the same way, the packed kernel's integer arithmetic is exact: only
     fp32 rounding remains. Tight enough to catch any misplaced weight, scale or offset."""

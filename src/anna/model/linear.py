@@ -69,10 +69,13 @@ def int4_row_lanes(qweight: torch.Tensor) -> torch.Tensor:
     last N % 8 rows stay as they are."""
     n, half = qweight.shape
     k, full = half * 2, n - n % LANE_ROWS
-    q = unpack_int4(qweight[:full]).view(full // LANE_ROWS, LANE_ROWS, k // INT4_BLOCK, 2, 4, 4)
-    lanes = q.permute(0, 2, 4, 1, 5, 3)  # [block, run, l, row j, i, low/high]
     out = qweight.clone()
-    out[:full] = (lanes[..., 0] | (lanes[..., 1] << 4)).reshape(full, half)
+    step = LANE_ROWS * 1024  # rows per pass: the unpacked copy is 1 byte a weight, so go in slices
+    for start in range(0, full, step):
+        rows = min(step, full - start)
+        q = unpack_int4(qweight[start:start + rows]).view(rows // LANE_ROWS, LANE_ROWS, k // INT4_BLOCK, 2, 4, 4)
+        lanes = q.permute(0, 2, 4, 1, 5, 3)  # [block, run, l, row j, i, low/high]
+        out[start:start + rows] = (lanes[..., 0] | (lanes[..., 1] << 4)).reshape(rows, half)
     return out
 
 
