@@ -87,6 +87,9 @@ INLINE __m256i unpack_q4_unsigned(const uint8_t *p) {
 #define LANE_RUNS 16  /* int4: runs of 32 columns per pass over a tile's rows of x (keeps them in L1) */
 #define PREFETCH_BYTES 1024
 
+/* log2 of the runs of 32 columns per group (G = 32, 64, 128): a shift, not a division per run */
+INLINE int group_shift(long G) { return G >= 128 ? 2 : G == 64 ? 1 : 0; }
+
 /* One row-major row (the tail rows). kind 0: int8 rows (row scale); kind 1: int4 groups of G. */
 INLINE float row_dot(int kind, const void *w, const float *ws, long n, long K, long G, const int8_t *xq,
                      const float *xs, const int32_t *xo) {
@@ -103,12 +106,12 @@ INLINE float row_dot(int kind, const void *w, const float *ws, long n, long K, l
     }
     const uint8_t *wr = (const uint8_t *)w + n * (K / 2);
     const float *gs = ws + n * (K / G);
-    long runs_per_group = G / 32;
+    int gshift = group_shift(G);
     float offset = 0.0f;  /* sum over runs of scale * 8 * sum(x): the stored nibbles are w + 8 */
     for (long b = 0; b < blocks; b++) {
         __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + b * 32));
         __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(unpack_q4_unsigned(wr + b * 16), xv), _mm256_set1_epi16(1));
-        float scale = xs[b] * gs[b / runs_per_group];
+        float scale = xs[b] * gs[b >> gshift];
         acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(scale), acc);
         offset += (float)xo[b] * scale;
     }
@@ -154,7 +157,8 @@ static void run_s8(const int8_t *xq, const float *xs, const int8_t *w, const flo
 INLINE void lane_tile(int TW, int TM, const uint8_t *w, long wstride, const float *gs, long gstride,
                       const int8_t *xq, const float *xs, const int32_t *xo, long K, long G, float *y, long ystride,
                       long b0, long b1, int prefetch) {
-    long blocks = K / 32, runs_per_group = G / 32;
+    long blocks = K / 32;
+    int gshift = group_shift(G);
     const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
     __m256 accf[2][LANE_TILE_X];
     for (int t = 0; t < TW; t++)
@@ -188,7 +192,7 @@ INLINE void lane_tile(int TW, int TM, const uint8_t *w, long wstride, const floa
             }
         }
         for (int t = 0; t < TW; t++) {
-            __m256 scale = _mm256_loadu_ps(gs + t * gstride + (b / runs_per_group) * LANE_ROWS);
+            __m256 scale = _mm256_loadu_ps(gs + t * gstride + (b >> gshift) * LANE_ROWS);
             for (int m = 0; m < TM; m++) {
                 __m256i dot = _mm256_sub_epi32(_mm256_madd_epi16(acc[t][m], ones), _mm256_set1_epi32(xo[m * blocks + b]));
                 accf[t][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(scale, _mm256_set1_ps(xs[m * blocks + b])),
