@@ -44,6 +44,10 @@ class KernelPolicy:
     profiler: "RuntimeProfiler | None" = None  # --profile-runtime
     fused_decode: bool = True  # decode-only CPU steps run the whole decoder stack in one C call
 
+    def serves_with_cpu_kernels(self, device: torch.device) -> bool:
+        """Whether weights on ``device`` are stored in the CPU kernels' layouts (and cached so)."""
+        return self.cpu is not None and device.type == "cpu"
+
 
 PACK_ROWS, PACK_COLS = 4, 8  # cpu_kernels.c's block: 4 rows, columns in chunks of 8 values
 LANE_ROWS = 8  # quant_kernels.c's int4 block: 8 rows, one per 32-bit lane
@@ -142,12 +146,14 @@ class Linear(nn.Module):
         check_shape(name, where, tuple(dest.shape), tuple(tensor.shape))
         dest.copy_(tensor)
 
-    def interleave_for_cpu_kernel(self) -> None:
-        """Store the weight in the layout Anna's CPU kernel reads (once, after loading). A tied
-        embedding shares this tensor: it reads its rows with ``weight_rows``."""
+    def interleave_for_cpu_kernel(self, converted: bool = False) -> None:
+        """Store the weight in the layout Anna's CPU kernel reads (once, after loading; ``converted``:
+        it already is, read back from a cache of the loaded state). A tied embedding shares this
+        tensor: it reads its rows with ``weight_rows``."""
         if self.interleaved or self.policy.cpu is None or not self.policy.cpu.supports_weight(self.weight):
             return
-        self.weight.data = interleave_rows(self.weight.data)
+        if not converted:
+            self.weight.data = interleave_rows(self.weight.data)
         self.interleaved = True
 
     def weight_rows(self, rows: torch.Tensor) -> torch.Tensor:
@@ -221,7 +227,7 @@ class QuantLinear(nn.Module):
     def interleave_for_cpu_kernel(self, converted: bool = False) -> None:
         """Store values and scales in the layout quant_kernels.c reads (once, after loading;
         ``converted``: they already are, as saved in the int4 layout cache)."""
-        if self.interleaved or self.policy.cpu is None or self.qweight.device.type != "cpu":
+        if self.interleaved or not self.policy.serves_with_cpu_kernels(self.qweight.device):
             return
         if not converted:
             self.qweight.data, self.scales.data = quantized_for_cpu_kernel(self.kind, self.qweight.data,

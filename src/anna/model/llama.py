@@ -216,10 +216,8 @@ class LlamaForCausalLM(nn.Module):
         """After loading: store the weights Anna's CPU kernel serves in the layout it reads
         (``converted``: they already are, read back from the int4 layout cache)."""
         for module in self.modules():
-            if isinstance(module, QuantLinear):
+            if isinstance(module, (Linear, QuantLinear)):
                 module.interleave_for_cpu_kernel(converted)
-            elif isinstance(module, Linear):
-                module.interleave_for_cpu_kernel()
 
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]], where: str) -> set[str]:
         """Load checkpoint tensors (converting or quantizing them); return the names consumed."""

@@ -86,7 +86,7 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, *, dtype: torch.dtype, d
     cache = int4_cache or Int4CacheOptions()
     if policy.quantization == "int4" and cache.enabled:
         root = int4_cache_mod.cache_root(model_dir, cache.directory, cache.user_cache_dir)
-        layout = "cpu-kernels" if policy.cpu is not None and device.type == "cpu" else "row-major"
+        layout = "cpu-kernels" if policy.serves_with_cpu_kernels(device) else "row-major"
         entry = root / int4_cache_mod.cache_key(files, policy.int4_group_size, device, layout)
         state = int4_cache_mod.load_entry(entry, cache.load_workers)
         if state is not None:
