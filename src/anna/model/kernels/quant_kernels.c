@@ -25,6 +25,10 @@
 #include <stdlib.h>
 
 #define INLINE static inline __attribute__((always_inline))
+/* Pins a value to a register at this point. Without it gcc re-associates the int4 kernel's int16
+ * sums (adds the products together first), runs out of registers and keeps five of the eight sums
+ * in memory, a load and a store per product in the inner loop (about 1.2x slower at M = 16). */
+#define KEEP_IN_REGISTER(v) __asm__("" : "+x"(v))
 
 INLINE float hsum(__m256 v) {
     __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
@@ -84,7 +88,7 @@ INLINE __m256i unpack_q4_unsigned(const uint8_t *p) {
 #define PACK_ROWS 4   /* int8 */
 #define LANE_ROWS 8   /* int4 */
 #define LANE_TILE_X 4 /* rows of x per int4 tile */
-#define LANE_RUNS 16  /* int4: runs of 32 columns per pass over a tile's rows of x (keeps them in L1) */
+#define X_BLOCK 64    /* int4: rows of x per pass over a thread's weights (at K = 4864, 311 KB: in L2) */
 #define PREFETCH_BYTES 1024
 
 /* log2 of the runs of 32 columns per group (G = 32, 64, 128): a shift, not a division per run */
@@ -152,18 +156,18 @@ static void run_s8(const int8_t *xq, const float *xs, const int8_t *w, const flo
 }
 
 /* int4: TW blocks of 8 rows (w, block stride wstride; their scales gs, stride gstride) against TM
- * rows of x, over runs [b0, b1), adding into y (TM rows of stride ystride, 8 * TW columns).
+ * rows of x, adding into y (TM rows of stride ystride, 8 * TW columns).
  * `prefetch`: the first pass over these weights asks for them PREFETCH_BYTES ahead. */
 INLINE void lane_tile(int TW, int TM, const uint8_t *w, long wstride, const float *gs, long gstride,
                       const int8_t *xq, const float *xs, const int32_t *xo, long K, long G, float *y, long ystride,
-                      long b0, long b1, int prefetch) {
+                      int prefetch) {
     long blocks = K / 32;
     int gshift = group_shift(G);
     const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
     __m256 accf[2][LANE_TILE_X];
     for (int t = 0; t < TW; t++)
         for (int m = 0; m < TM; m++) accf[t][m] = _mm256_loadu_ps(y + m * ystride + t * 8);
-    for (long b = b0; b < b1; b++) {
+    for (long b = 0; b < blocks; b++) {
         __m256i acc[2][LANE_TILE_X];  /* int16 partial sums of this run */
         for (int t = 0; t < TW; t++) {
             for (int m = 0; m < TM; m++) acc[t][m] = _mm256_setzero_si256();
@@ -173,21 +177,32 @@ INLINE void lane_tile(int TW, int TM, const uint8_t *w, long wstride, const floa
                 _mm_prefetch(p + 64, _MM_HINT_T0);
             }
         }
-        /* not unrolled: unrolled, gcc computes every product first and spills them all */
+        /* Not unrolled: unrolled, gcc computes every product first and spills them all. */
         _Pragma("GCC unroll 1") for (int l = 0; l < 4; l++) {
-            __m256i lo[2], hi[2];
-            for (int t = 0; t < TW; t++) {
-                __m256i v = _mm256_loadu_si256((const __m256i *)(w + t * wstride + b * 128 + l * 32));
-                lo[t] = _mm256_and_si256(v, low);
-                hi[t] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-            }
-            for (int m = 0; m < TM; m++) {
-                const int8_t *xp = xq + m * K + b * 32 + 4 * l;
-                __m256i xlo = _mm256_set1_epi32(*(const int32_t *)xp);
-                __m256i xhi = _mm256_set1_epi32(*(const int32_t *)(xp + 16));
+            if (TM == 1) {  /* few sums: both nibbles of a load at once */
+                const int8_t *xp = xq + b * 32 + 4 * l;
+                __m256i xlo = _mm256_set1_epi32(*(const int32_t *)xp), xhi = _mm256_set1_epi32(*(const int32_t *)(xp + 16));
                 for (int t = 0; t < TW; t++) {
-                    acc[t][m] = _mm256_add_epi16(acc[t][m], _mm256_maddubs_epi16(lo[t], xlo));
-                    acc[t][m] = _mm256_add_epi16(acc[t][m], _mm256_maddubs_epi16(hi[t], xhi));
+                    __m256i v = _mm256_loadu_si256((const __m256i *)(w + t * wstride + b * 128 + l * 32));
+                    acc[t][0] = _mm256_add_epi16(acc[t][0], _mm256_maddubs_epi16(_mm256_and_si256(v, low), xlo));
+                    acc[t][0] = _mm256_add_epi16(acc[t][0], _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 4), low), xhi));
+                }
+                continue;
+            }
+            /* the low nibbles against every row of x, then the high nibbles: the sums, 2 weight
+             * vectors, x and a product fit in the 16 registers */
+            for (int half = 0; half < 2; half++) {
+                __m256i wv[2];
+                for (int t = 0; t < TW; t++) {
+                    __m256i v = _mm256_loadu_si256((const __m256i *)(w + t * wstride + b * 128 + l * 32));
+                    wv[t] = _mm256_and_si256(half ? _mm256_srli_epi16(v, 4) : v, low);
+                }
+                for (int m = 0; m < TM; m++) {
+                    __m256i xv = _mm256_set1_epi32(*(const int32_t *)(xq + m * K + b * 32 + 4 * l + 16 * half));
+                    for (int t = 0; t < TW; t++) {
+                        acc[t][m] = _mm256_add_epi16(acc[t][m], _mm256_maddubs_epi16(wv[t], xv));
+                        KEEP_IN_REGISTER(acc[t][m]);
+                    }
                 }
             }
         }
@@ -204,39 +219,38 @@ INLINE void lane_tile(int TW, int TM, const uint8_t *w, long wstride, const floa
         for (int m = 0; m < TM; m++) _mm256_storeu_ps(y + m * ystride + t * 8, accf[t][m]);
 }
 
-/* int4: TW (1 or 2) blocks of 8 rows starting at row n, for all M rows of x, over runs [b0, b1)
- * (adding into y, which holds the bias or the earlier runs' sums). */
+/* int4: TW (1 or 2) blocks of 8 rows starting at row n, for rows [m0, m1) of x (adding into y,
+ * which holds the bias). */
 INLINE void run_lanes(int TW, const int8_t *xq, const float *xs, const int32_t *xo, const uint8_t *w, const float *ws,
-                      float *y, long M, long N, long K, long G, long n, long b0, long b1) {
+                      float *y, long N, long K, long G, long n, long m0, long m1) {
     long blocks = K / 32, wstride = LANE_ROWS * K / 2, gstride = LANE_ROWS * (K / G);
     const uint8_t *wp = w + n * (K / 2);
     const float *gp = ws + n * (K / G);
-    for (long m = 0; m < M; m += LANE_TILE_X) {
+    for (long m = m0; m < m1; m += LANE_TILE_X) {
         const int8_t *xp = xq + m * K;
         const float *sp = xs + m * blocks;
         const int32_t *op = xo + m * blocks;
         float *yp = y + m * N + n;
-        long tm = M - m < LANE_TILE_X ? M - m : LANE_TILE_X;
-#define LANE_CASE(T) case T: lane_tile(TW, T, wp, wstride, gp, gstride, xp, sp, op, K, G, yp, N, b0, b1, m == 0); break;
+        long tm = m1 - m < LANE_TILE_X ? m1 - m : LANE_TILE_X;
+#define LANE_CASE(T) case T: lane_tile(TW, T, wp, wstride, gp, gstride, xp, sp, op, K, G, yp, N, m == m0); break;
         switch (tm) { LANE_CASE(1) LANE_CASE(2) LANE_CASE(3) default: LANE_CASE(4) }
 #undef LANE_CASE
     }
 }
 
 /* int4: this thread's units of 2 blocks of 8 rows, [u0, u1), plus the odd block of 8 rows when
- * `odd`. A single tile of x runs the units one after another (the weights stream once); with
- * more rows of x, runs go in chunks of LANE_RUNS across all units, so that the chunk of x stays
- * in cache while the thread's weights pass (K = 4864 at M = 64 is 311 KB of x). */
+ * `odd`. A tile runs over all of K at once (passes over parts of K, which keep less of x in
+ * cache, measured slower: the sums go through memory between passes); a unit's weights stay
+ * in cache while X_BLOCK rows of x pass. */
 static void run_int4(const int8_t *xq, const float *xs, const int32_t *xo, const uint8_t *w, const float *ws,
                      const float *bias, float *y, long M, long N, long K, long G, long u0, long u1, int odd) {
-    long blocks = K / 32, unit = 2 * LANE_ROWS, rows_end = u1 * unit + (odd ? LANE_ROWS : 0);
+    long unit = 2 * LANE_ROWS, rows_end = u1 * unit + (odd ? LANE_ROWS : 0);
     for (long m = 0; m < M; m++)
         for (long n = u0 * unit; n < rows_end; n++) y[m * N + n] = bias ? bias[n] : 0.0f;
-    long chunk = M <= LANE_TILE_X ? blocks : LANE_RUNS;
-    for (long b0 = 0; b0 < blocks; b0 += chunk) {
-        long b1 = b0 + chunk < blocks ? b0 + chunk : blocks;
-        for (long u = u0; u < u1; u++) run_lanes(2, xq, xs, xo, w, ws, y, M, N, K, G, u * unit, b0, b1);
-        if (odd) run_lanes(1, xq, xs, xo, w, ws, y, M, N, K, G, u1 * unit, b0, b1);
+    for (long m0 = 0; m0 < M; m0 += X_BLOCK) {
+        long m1 = m0 + X_BLOCK < M ? m0 + X_BLOCK : M;
+        for (long u = u0; u < u1; u++) run_lanes(2, xq, xs, xo, w, ws, y, N, K, G, u * unit, m0, m1);
+        if (odd) run_lanes(1, xq, xs, xo, w, ws, y, N, K, G, u1 * unit, m0, m1);
     }
 }
 
