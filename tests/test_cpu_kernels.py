@@ -69,6 +69,20 @@ def test_silu_mul_matches_torch(kernels, rows, width):
     torch.testing.assert_close(kernels.silu_mul(gate_up), F.silu(gate) * up, rtol=2e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("width", [151936, 1003])  # a real vocabulary; a tail past the last 8
+def test_argmax_matches_torch_ties_nan_and_inf(kernels, width):
+    logits = torch.randn(7, width)
+    logits[1, [5, width - 2]] = 50.0  # a tie: the first index wins
+    logits[2, width - 1] = 60.0  # the maximum in the tail
+    logits[3] = float("-inf")  # nothing allowed: index 0
+    logits[4, [9, width - 3]] = float("nan")  # the first NaN, as torch
+    logits[5, :] = 1.0  # all equal
+    logits[6, width - 5] = float("inf")
+    expected = logits.argmax(dim=-1)
+    assert kernels.argmax(logits).tolist() == expected.tolist()
+    assert kernels.argmax(logits.bfloat16()).tolist() == logits.bfloat16().argmax(dim=-1).tolist()
+
+
 @pytest.mark.parametrize("window", [0, 24])
 def test_paged_decode_attention_matches_torch(kernels, window):
     """Grouped-query decode attention through scattered block tables; contexts around the 8-position

@@ -66,8 +66,10 @@ class CpuKernels:
         lib.anna_dequant.argtypes = [p, p, i, l, p, l, l, l, p, i]
         lib.anna_decode_layers.argtypes = [ctypes.POINTER(AnnaLayer), l, p, l, l, l, l, l, l, f, p, p, p, l, p, l, l,
                                            f, p, p, p, p, i]
+        lib.anna_argmax_rows.argtypes = [p, l, l, p, i]
         for fn in (lib.anna_gemv, lib.anna_deinterleave_rows, lib.anna_add_rmsnorm, lib.anna_rotary, lib.anna_silu_mul,
-                   lib.anna_paged_decode_attention, lib.anna_qgemm, lib.anna_dequant, lib.anna_decode_layers):
+                   lib.anna_paged_decode_attention, lib.anna_qgemm, lib.anna_dequant, lib.anna_decode_layers,
+                   lib.anna_argmax_rows):
             fn.restype = None
         self.lib = lib
         self._scratch = torch.empty(0, dtype=torch.float32)  # see unpack_rows
@@ -105,6 +107,13 @@ class CpuKernels:
         out = self._matmul_operand(n, k)
         self.lib.anna_deinterleave_rows(weight.data_ptr(), WEIGHT_TYPES[weight.dtype], n, k, out.data_ptr(),
                                   torch.get_num_threads())
+        return out
+
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits.argmax(dim=-1) of [rows, vocab] logits (any float dtype), as a long tensor."""
+        x = logits.float().contiguous()
+        out = torch.empty(x.shape[0], dtype=torch.long)
+        self.lib.anna_argmax_rows(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr(), torch.get_num_threads())
         return out
 
     def qgemm(self, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, kind: int, group: int,

@@ -79,9 +79,10 @@ class LLMEngine:
                              f"({cfg.max_position_embeddings})")
         log.info("Resolved settings:\n%s", s.table())
         self.profiler = RuntimeProfiler(self.device) if s.profile_runtime else None
+        policy = self._kernel_policy()
         model = load_model(self.model_dir, cfg, dtype=self.dtype, device=self.device,
                            max_positions=max(self.max_model_len, cfg.max_position_embeddings),
-                           pipeline_workers=s.weight_load_pipeline_workers, policy=self._kernel_policy(),
+                           pipeline_workers=s.weight_load_pipeline_workers, policy=policy,
                            activation_dtype=self.activation_dtype,
                            int4_cache=Int4CacheOptions(not s.disable_int4_cache, s.int4_cache_dir,
                                                        s.int4_cache_load_workers, s.cache_dir),
@@ -106,8 +107,9 @@ class LLMEngine:
         if self.compile_mode != "none":
             log.info("torch.compile: mode=%s fullgraph=%s, cache %s", self.compile_mode, s.compile_fullgraph,
                      use_inductor_cache_dir(s.torchinductor_cache_dir))
-        self.runner = ModelRunner(model, self.kv, self.device, self.activation_dtype, Sampler(s.seed, self.device),
-                                  self.compile_mode, s.compile_fullgraph)
+        sampler = Sampler(s.seed, self.device, argmax=policy.cpu.argmax if policy.cpu is not None else None)
+        self.runner = ModelRunner(model, self.kv, self.device, self.activation_dtype, sampler, self.compile_mode,
+                                  s.compile_fullgraph)
         floor = s.memory_release_min_free_mib if s.memory_release_min_free_mib >= 0 else s.min_free_memory_mib
         self.memory = MemoryReleaser(
             self.kv, self.runner.kv_caches, self.prompt_cache, self.device, s.kv_release_chunk_blocks,

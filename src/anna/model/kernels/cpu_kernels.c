@@ -341,3 +341,35 @@ void anna_paged_decode_attention(const float *q, const float *k_cache, const flo
         free(inv);
     }
 }
+
+/* out[r] = index of the largest of x[r, 0..n) (the first one on ties; the first NaN if there
+ * is one, as torch.argmax): greedy sampling. torch's argmax runs at about 1 value per ns on
+ * this class of CPU, 3 ms for 16 rows of a 152k vocabulary; this one reads at memory speed. */
+void anna_argmax_rows(const float *x, long rows, long n, long *out, int threads) {
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (long r = 0; r < rows; r++) {
+        const float *row = x + r * n;
+        __m256 vmax = _mm256_set1_ps(-INFINITY), nan = _mm256_setzero_ps();
+        long i = 0;
+        for (; i + 8 <= n; i += 8) {
+            __m256 v = _mm256_loadu_ps(row + i);
+            vmax = _mm256_max_ps(vmax, v);
+            nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+        }
+        float lanes[8], best = -INFINITY;
+        _mm256_storeu_ps(lanes, vmax);
+        for (int j = 0; j < 8; j++) best = lanes[j] > best ? lanes[j] : best;
+        int has_nan = _mm256_movemask_ps(nan) != 0;
+        for (long j = i; j < n; j++) {
+            has_nan |= isnan(row[j]);
+            best = row[j] > best ? row[j] : best;
+        }
+        long found = 0;  /* a row of -inf only: index 0, as torch */
+        for (long j = 0; j < n; j++)
+            if (has_nan ? isnan(row[j]) : row[j] == best) {
+                found = j;
+                break;
+            }
+        out[r] = found;
+    }
+}
