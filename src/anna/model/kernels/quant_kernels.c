@@ -27,7 +27,7 @@
 #define INLINE static inline __attribute__((always_inline))
 /* Pins a value to a register at this point. Without it gcc re-associates the int4 kernel's int16
  * sums (adds the products together first), runs out of registers and keeps five of the eight sums
- * in memory, a load and a store per product in the inner loop (about 1.2x slower at M = 16). */
+ * in memory, a load and a store per product in the inner loop (1.1-1.2x slower at M = 16). */
 #define KEEP_IN_REGISTER(v) __asm__("" : "+x"(v))
 
 INLINE float hsum(__m256 v) {
