@@ -255,6 +255,19 @@ INLINE __m256 dot8(const float *q, const float *const k[8], long dim) {
     return hsum8(a);
 }
 
+/* Position p's row of a sequence (block table `table`) in a paged cache, plus `off` floats:
+ * a shift and a mask when the block size is a power of two (`shift` >= 0), else a division. */
+INLINE const float *paged_row(const float *cache, const long *table, long p, long block_size, int shift, long kv_row,
+                              long off) {
+    long blk = shift >= 0 ? p >> shift : p / block_size, r = shift >= 0 ? p & (block_size - 1) : p % block_size;
+    return cache + (table[blk] * block_size + r) * kv_row + off;
+}
+
+/* Asks for the `bytes` from p onwards (rows of the next eight positions, while this eight runs). */
+INLINE void prefetch_bytes(const float *p, long bytes) {
+    for (long b = 0; b < bytes; b += 64) _mm_prefetch((const char *)p + b, _MM_HINT_T0);
+}
+
 /* Decode attention over a paged fp32 KV cache: one query token per sequence.
  * q, out: [seqs, heads, dim]; caches: [blocks, block_size, kv_heads, dim];
  * tables: [seqs, table_width] block ids; ctx: tokens of each sequence (the new one included);
@@ -265,6 +278,7 @@ void anna_paged_decode_attention(const float *q, const float *k_cache, const flo
                                  long block_size, long window, float scale, float *out, int threads) {
     long group = heads / kv_heads;
     long kv_row = kv_heads * dim;
+    int shift = (block_size & (block_size - 1)) == 0 ? __builtin_ctzl(block_size) : -1;
     #pragma omp parallel num_threads(threads)
     {
         long cap = 0;
@@ -286,8 +300,10 @@ void anna_paged_decode_attention(const float *q, const float *k_cache, const flo
             /* eight positions at a time: one reduction for eight scores instead of one each */
             for (; dim % 8 == 0 && p + 8 <= n; p += 8) {
                 const float *kr[8];
-                for (int j = 0; j < 8; j++)
-                    kr[j] = k_cache + (table[(p + j) / block_size] * block_size + (p + j) % block_size) * kv_row + kvh * dim;
+                for (int j = 0; j < 8; j++) {
+                    kr[j] = paged_row(k_cache, table, p + j, block_size, shift, kv_row, kvh * dim);
+                    if (p + 8 + j < n) prefetch_bytes(paged_row(k_cache, table, p + 8 + j, block_size, shift, kv_row, kvh * dim), dim * 4);
+                }
                 for (long g = 0; g < group; g++) {
                     __m256 sc = _mm256_mul_ps(dot8(qv + g * dim, kr, dim), _mm256_set1_ps(scale));
                     _mm256_storeu_ps(scores + g * len + p - start, sc);
@@ -298,7 +314,7 @@ void anna_paged_decode_attention(const float *q, const float *k_cache, const flo
                 }
             }
             for (; p < n; p++) {
-                const float *kv = k_cache + (table[p / block_size] * block_size + p % block_size) * kv_row + kvh * dim;
+                const float *kv = paged_row(k_cache, table, p, block_size, shift, kv_row, kvh * dim);
                 for (long g = 0; g < group; g++) {
                     float sc = dot(qv + g * dim, kv, dim) * scale;
                     scores[g * len + p - start] = sc;
@@ -323,8 +339,32 @@ void anna_paged_decode_attention(const float *q, const float *k_cache, const flo
             }
             float *o = out + (sq * heads + kvh * group) * dim;
             for (long i = 0; i < group * dim; i++) o[i] = 0.0f;
-            for (long p = start; p < n; p++) {
-                const float *vv = v_cache + (table[p / block_size] * block_size + p % block_size) * kv_row + kvh * dim;
+            p = start;
+            /* eight positions at a time: each output row is read and written once per eight value
+             * rows (once per value row, the loop was bound by its stores) */
+            for (; dim % 8 == 0 && p + 8 <= n; p += 8) {
+                const float *vr[8];
+                for (int j = 0; j < 8; j++) {
+                    vr[j] = paged_row(v_cache, table, p + j, block_size, shift, kv_row, kvh * dim);
+                    if (p + 8 + j < n) prefetch_bytes(paged_row(v_cache, table, p + 8 + j, block_size, shift, kv_row, kvh * dim), dim * 4);
+                }
+                for (long g = 0; g < group; g++) {
+                    const float *sg = scores + g * len + p - start;
+                    __m256 wv[8];
+                    for (int j = 0; j < 8; j++) wv[j] = _mm256_set1_ps(sg[j] * inv[g]);
+                    float *og = o + g * dim;
+                    for (long i = 0; i < dim; i += 8) {
+                        __m256 a = _mm256_loadu_ps(og + i), b = _mm256_mul_ps(wv[1], _mm256_loadu_ps(vr[1] + i));
+                        for (int j = 0; j < 8; j += 2) {
+                            a = _mm256_fmadd_ps(wv[j], _mm256_loadu_ps(vr[j] + i), a);
+                            if (j) b = _mm256_fmadd_ps(wv[j + 1], _mm256_loadu_ps(vr[j + 1] + i), b);
+                        }
+                        _mm256_storeu_ps(og + i, _mm256_add_ps(a, b));
+                    }
+                }
+            }
+            for (; p < n; p++) {
+                const float *vv = paged_row(v_cache, table, p, block_size, shift, kv_row, kvh * dim);
                 for (long g = 0; g < group; g++) {
                     float wgt = scores[g * len + p - start] * inv[g];
                     float *og = o + g * dim;
