@@ -17,14 +17,15 @@ import time
 
 import torch
 
+from anna.model.attention import kv_cache_shape
 from anna.model.cpu_kernels import build_cpu_kernels
 
 
 def step_ms(kernels, seqs: int, context: int, heads: int, kv_heads: int, dim: int, layers: int, block_size: int,
             repeats: int) -> float:
     blocks = seqs * -(-context // block_size)
-    caches = [(torch.randn(blocks, block_size, kv_heads, dim), torch.randn(blocks, block_size, kv_heads, dim))
-              for _ in range(layers)]
+    shape = kv_cache_shape(blocks, block_size, kv_heads, dim)
+    caches = [(torch.randn(shape), torch.randn(shape)) for _ in range(layers)]
     tables = torch.randperm(blocks).view(seqs, -1)
     q = torch.randn(seqs, heads, dim)
     lens = torch.full((seqs,), context, dtype=torch.long)

@@ -90,8 +90,8 @@ def test_paged_decode_attention_matches_torch(kernels, window):
     torch.manual_seed(2)
     heads, kv_heads, dim, block_size, blocks = 14, 2, 64, 16, 40
     contexts = [1, 7, 8, 9, 40, 100]
-    k_cache = torch.randn(blocks, block_size, kv_heads, dim)
-    v_cache = torch.randn(blocks, block_size, kv_heads, dim)
+    k_cache = torch.randn(blocks, kv_heads, block_size, dim)
+    v_cache = torch.randn(blocks, kv_heads, block_size, dim)
     order = torch.randperm(blocks)
     width = max(-(-c // block_size) for c in contexts)
     tables = torch.zeros(len(contexts), width, dtype=torch.long)
@@ -107,8 +107,8 @@ def test_paged_decode_attention_matches_torch(kernels, window):
         slots = [(int(tables[i, p // block_size]), p % block_size) for p in range(c)]
         if window:
             slots = slots[-window:]
-        k = torch.stack([k_cache[b, o] for b, o in slots])  # [len, kv_heads, dim]
-        v = torch.stack([v_cache[b, o] for b, o in slots])
+        k = torch.stack([k_cache[b, :, o] for b, o in slots])  # [len, kv_heads, dim]
+        v = torch.stack([v_cache[b, :, o] for b, o in slots])
         k = k.repeat_interleave(heads // kv_heads, dim=1)
         v = v.repeat_interleave(heads // kv_heads, dim=1)
         weights = torch.softmax(torch.einsum("hd,lhd->hl", q[i], k) * scale, dim=-1)

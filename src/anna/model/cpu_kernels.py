@@ -186,7 +186,7 @@ class CpuKernels:
     def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
                          context_lens: torch.Tensor, window: int | None, scale: float) -> torch.Tensor:
         seqs, heads, dim = q.shape
-        blocks, block_size, kv_heads, _ = k_cache.shape
+        blocks, kv_heads, block_size, _ = k_cache.shape
         out = torch.empty_like(q)
         self.lib.anna_paged_decode_attention(
             q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), tables.shape[1],

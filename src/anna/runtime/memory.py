@@ -152,13 +152,13 @@ def profile_activation_peak(model: torch.nn.Module, cfg: ModelConfig, num_tokens
     ``num_logits`` rows; return the allocator's peak beyond what was in use before. CUDA only: on
     CPU the KV budget is a share of RAM, not what activations leave over, and a 2,048-token prefill
     of a 0.5B model takes ~14 s there (None: not profiled)."""
-    from anna.model.attention import build_metadata
+    from anna.model.attention import build_metadata, kv_cache_shape
 
     if device.type != "cuda":
         return None
 
     blocks = -(-num_tokens // block_size)
-    shape = (blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
+    shape = kv_cache_shape(blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
     caches = [(torch.zeros(shape, dtype=kv_dtype, device=device), torch.zeros(shape, dtype=kv_dtype, device=device))
               for _ in range(cfg.num_hidden_layers)]
     positions = torch.arange(num_tokens)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from anna.core.request import Request
-from anna.model.attention import AttentionMetadata, build_metadata
+from anna.model.attention import AttentionMetadata, build_metadata, kv_cache_shape, read_slots, write_slots
 from anna.model.linear import profiled
 from anna.model.llama import LlamaForCausalLM
 from anna.runtime.compilation import CompiledForward
@@ -45,7 +45,7 @@ class ModelRunner:
         self.device = device
         self.sampler = sampler
         cfg = model.config
-        shape = (kv.num_blocks, kv.block_size, cfg.num_key_value_heads, cfg.head_dim)
+        shape = kv_cache_shape(kv.num_blocks, kv.block_size, cfg.num_key_value_heads, cfg.head_dim)
         # torch.empty: on CPU untouched pages cost no RAM until a block is first written.
         self.kv_caches = [(torch.empty(shape, dtype=kv_dtype, device=device),
                            torch.empty(shape, dtype=kv_dtype, device=device))
@@ -99,14 +99,14 @@ class ModelRunner:
     def read_prompt_kv(self, req: Request) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Copies of the KV of all prompt tokens but the last, for the exact prompt cache."""
         slots = self._slots(req.request_id, req.num_prompt_tokens - 1)
-        return [(k.flatten(0, 1)[slots].clone(), v.flatten(0, 1)[slots].clone()) for k, v in self.kv_caches]
+        return [(read_slots(k, slots), read_slots(v, slots)) for k, v in self.kv_caches]
 
     @torch.inference_mode()
     def write_prompt_kv(self, req: Request, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         slots = self._slots(req.request_id, kv[0][0].shape[0])
         for (k_cache, v_cache), (k, v) in zip(self.kv_caches, kv):
-            k_cache.flatten(0, 1).index_copy_(0, slots, k)
-            v_cache.flatten(0, 1).index_copy_(0, slots, v)
+            write_slots(k_cache, slots, k)
+            write_slots(v_cache, slots, v)
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> dict[str, SampledToken]:

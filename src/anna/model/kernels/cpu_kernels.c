@@ -255,12 +255,13 @@ INLINE __m256 dot8(const float *q, const float *const k[8], long dim) {
     return hsum8(a);
 }
 
-/* Position p's row of a sequence (block table `table`) in a paged cache, plus `off` floats:
- * a shift and a mask when the block size is a power of two (`shift` >= 0), else a division. */
-INLINE const float *paged_row(const float *cache, const long *table, long p, long block_size, int shift, long kv_row,
-                              long off) {
+/* KV head h's row of position p of a sequence (block table `table`) in a paged cache
+ * [blocks, kv_heads, block_size, dim]: a shift and a mask when the block size is a power of two
+ * (`shift` >= 0), else a division. */
+INLINE const float *paged_row(const float *cache, const long *table, long p, long block_size, int shift, long kv_heads,
+                              long h, long dim) {
     long blk = shift >= 0 ? p >> shift : p / block_size, r = shift >= 0 ? p & (block_size - 1) : p % block_size;
-    return cache + (table[blk] * block_size + r) * kv_row + off;
+    return cache + ((table[blk] * kv_heads + h) * block_size + r) * dim;
 }
 
 /* Asks for the `bytes` from p onwards (rows of the next eight positions, while this eight runs). */
@@ -269,7 +270,7 @@ INLINE void prefetch_bytes(const float *p, long bytes) {
 }
 
 /* Decode attention over a paged fp32 KV cache: one query token per sequence.
- * q, out: [seqs, heads, dim]; caches: [blocks, block_size, kv_heads, dim];
+ * q, out: [seqs, heads, dim]; caches: [blocks, kv_heads, block_size, dim];
  * tables: [seqs, table_width] block ids; ctx: tokens of each sequence (the new one included);
  * window > 0 limits attention to the last `window` tokens. One job per (sequence, kv head): each
  * cached key and value row is read once for all the query heads that share it (GQA). */
@@ -277,7 +278,6 @@ void anna_paged_decode_attention(const float *q, const float *k_cache, const flo
                                  long table_width, const long *ctx, long seqs, long heads, long kv_heads, long dim,
                                  long block_size, long window, float scale, float *out, int threads) {
     long group = heads / kv_heads;
-    long kv_row = kv_heads * dim;
     int shift = (block_size & (block_size - 1)) == 0 ? __builtin_ctzl(block_size) : -1;
     #pragma omp parallel num_threads(threads)
     {
@@ -301,8 +301,8 @@ void anna_paged_decode_attention(const float *q, const float *k_cache, const flo
             for (; dim % 8 == 0 && p + 8 <= n; p += 8) {
                 const float *kr[8];
                 for (int j = 0; j < 8; j++) {
-                    kr[j] = paged_row(k_cache, table, p + j, block_size, shift, kv_row, kvh * dim);
-                    if (p + 8 + j < n) prefetch_bytes(paged_row(k_cache, table, p + 8 + j, block_size, shift, kv_row, kvh * dim), dim * 4);
+                    kr[j] = paged_row(k_cache, table, p + j, block_size, shift, kv_heads, kvh, dim);
+                    if (p + 8 + j < n) prefetch_bytes(paged_row(k_cache, table, p + 8 + j, block_size, shift, kv_heads, kvh, dim), dim * 4);
                 }
                 for (long g = 0; g < group; g++) {
                     __m256 sc = _mm256_mul_ps(dot8(qv + g * dim, kr, dim), _mm256_set1_ps(scale));
@@ -314,7 +314,7 @@ void anna_paged_decode_attention(const float *q, const float *k_cache, const flo
                 }
             }
             for (; p < n; p++) {
-                const float *kv = paged_row(k_cache, table, p, block_size, shift, kv_row, kvh * dim);
+                const float *kv = paged_row(k_cache, table, p, block_size, shift, kv_heads, kvh, dim);
                 for (long g = 0; g < group; g++) {
                     float sc = dot(qv + g * dim, kv, dim) * scale;
                     scores[g * len + p - start] = sc;
@@ -345,8 +345,8 @@ void anna_paged_decode_attention(const float *q, const float *k_cache, const flo
             for (; dim % 8 == 0 && p + 8 <= n; p += 8) {
                 const float *vr[8];
                 for (int j = 0; j < 8; j++) {
-                    vr[j] = paged_row(v_cache, table, p + j, block_size, shift, kv_row, kvh * dim);
-                    if (p + 8 + j < n) prefetch_bytes(paged_row(v_cache, table, p + 8 + j, block_size, shift, kv_row, kvh * dim), dim * 4);
+                    vr[j] = paged_row(v_cache, table, p + j, block_size, shift, kv_heads, kvh, dim);
+                    if (p + 8 + j < n) prefetch_bytes(paged_row(v_cache, table, p + 8 + j, block_size, shift, kv_heads, kvh, dim), dim * 4);
                 }
                 for (long g = 0; g < group; g++) {
                     const float *sg = scores + g * len + p - start;
@@ -364,7 +364,7 @@ void anna_paged_decode_attention(const float *q, const float *k_cache, const flo
                 }
             }
             for (; p < n; p++) {
-                const float *vv = paged_row(v_cache, table, p, block_size, shift, kv_row, kvh * dim);
+                const float *vv = paged_row(v_cache, table, p, block_size, shift, kv_heads, kvh, dim);
                 for (long g = 0; g < group; g++) {
                     float wgt = scores[g * len + p - start] * inv[g];
                     float *og = o + g * dim;

@@ -36,7 +36,7 @@ typedef struct {
     const void *input_norm, *post_norm, *q_norm, *k_norm; /* q_norm/k_norm NULL when absent */
     int norm_wtype;
     AnnaLinear qkv, o, gate_up, down;
-    float *k_cache, *v_cache; /* [blocks, block_size, kv_heads, head_dim] fp32 */
+    float *k_cache, *v_cache; /* [blocks, kv_heads, block_size, head_dim] fp32 */
 } AnnaLayer;
 
 static void linear(const AnnaLinear *l, const float *x, float *y, long M, int threads) {
@@ -77,8 +77,13 @@ void anna_decode_layers(const AnnaLayer *layers, long num_layers, const float *e
         anna_rotary(qkv, qkv_width, M, heads, head_dim, cos_table, sin_table, positions);
         anna_rotary(qkv + q_size, qkv_width, M, kv_heads, head_dim, cos_table, sin_table, positions);
         for (long t = 0; t < M; t++) {
-            memcpy(L->k_cache + slots[t] * kv_size, qkv + t * qkv_width + q_size, sizeof(float) * kv_size);
-            memcpy(L->v_cache + slots[t] * kv_size, qkv + t * qkv_width + q_size + kv_size, sizeof(float) * kv_size);
+            long blk = slots[t] / block_size, off = slots[t] % block_size;
+            for (long hh = 0; hh < kv_heads; hh++) {
+                long row = ((blk * kv_heads + hh) * block_size + off) * head_dim;
+                const float *k = qkv + t * qkv_width + q_size + hh * head_dim;
+                memcpy(L->k_cache + row, k, sizeof(float) * head_dim);
+                memcpy(L->v_cache + row, k + kv_size, sizeof(float) * head_dim);
+            }
             memcpy(q + t * q_size, qkv + t * qkv_width, sizeof(float) * q_size);
         }
         anna_paged_decode_attention(q, L->k_cache, L->v_cache, tables, table_width, ctx, M, heads, kv_heads, head_dim,
