@@ -216,7 +216,7 @@ class QuantLinear(nn.Module):
             self.register_buffer("scales", torch.zeros(n, dtype=torch.float32))
         else:
             self.register_buffer("qweight", torch.zeros(n, in_features // 2, dtype=torch.uint8))
-            self.register_buffer("scales", torch.zeros(n, in_features // self.group, dtype=torch.float32))
+            self.register_buffer("scales", torch.zeros(n, in_features // self.group, dtype=torch.float16))
         self.bias = nn.Parameter(torch.zeros(n, dtype=dtype), requires_grad=False) if bias else None
         self.policy = policy
         self.profile_name: str | None = None

@@ -11,7 +11,7 @@
 
 void anna_gemv(const float *x, const void *w, int wtype, const float *bias, float *y, int M, long N, long K,
                int threads);
-void anna_qgemm(const float *x, const void *w, const float *ws, int kind, long G, const float *bias, float *y,
+void anna_qgemm(const float *x, const void *w, const void *ws, int kind, long G, const float *bias, float *y,
                 long M, long N, long K, int threads);
 void anna_add_rmsnorm(float *x, const float *delta, const void *w, int wtype, float *out, long rows, long dim,
                       float eps, int threads);
@@ -24,7 +24,7 @@ void anna_paged_decode_attention(const float *q, const float *k_cache, const flo
 
 typedef struct {
     const void *weight;   /* float weights (wtype 0 bf16, 1 fp16, 2 fp32) or quantized values */
-    const float *scales;  /* quantized: int8 row scales or int4 group scales; else NULL */
+    const void *scales;   /* quantized: int8 row scales (fp32) or int4 group scales (fp16); else NULL */
     const float *bias;    /* fp32 or NULL */
     int wtype;            /* float weights: 0/1/2; quantized: -1 */
     int qkind;            /* quantized: 0 int8, 1 int4 */

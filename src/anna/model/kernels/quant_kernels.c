@@ -1,7 +1,7 @@
 /* Weight-only quantized matmuls for CPU decode: y[M,N] = x[M,K] . dequant(W)[N,K]^T (+ bias).
  *
- * Weights: int8 with one scale per output row, or int4 with one scale per group of G input
- * columns (symmetric, stored as q + 8 in a nibble). x is quantized on the fly to int8 in blocks
+ * Weights: int8 with one fp32 scale per output row, or int4 with one fp16 scale per group of G
+ * input columns (symmetric, stored as q + 8 in a nibble). x is quantized on the fly to int8 in blocks
  * of 32 (one fp32 scale per block), so that dot products run on integer units (AVX2 maddubs), as
  * llama.cpp does; K must be a multiple of 32. One call reads each weight row once for all M rows
  * of x (a tile of rows stays in cache meanwhile). linear.py packs the tensors once, after loading.
@@ -95,7 +95,7 @@ INLINE __m256i unpack_q4_unsigned(const uint8_t *p) {
 INLINE int group_shift(long G) { return G >= 128 ? 2 : G == 64 ? 1 : 0; }
 
 /* One row-major row (the tail rows). kind 0: int8 rows (row scale); kind 1: int4 groups of G. */
-INLINE float row_dot(int kind, const void *w, const float *ws, long n, long K, long G, const int8_t *xq,
+INLINE float row_dot(int kind, const void *w, const void *ws, long n, long K, long G, const int8_t *xq,
                      const float *xs, const int32_t *xo) {
     long blocks = K / 32;
     __m256 acc = _mm256_setzero_ps();
@@ -106,16 +106,16 @@ INLINE float row_dot(int kind, const void *w, const float *ws, long n, long K, l
             __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + b * 32));
             acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_s8(wv, xv)), _mm256_set1_ps(xs[b]), acc);
         }
-        return hsum(acc) * ws[n];
+        return hsum(acc) * ((const float *)ws)[n];
     }
     const uint8_t *wr = (const uint8_t *)w + n * (K / 2);
-    const float *gs = ws + n * (K / G);
+    const uint16_t *gs = (const uint16_t *)ws + n * (K / G);
     int gshift = group_shift(G);
     float offset = 0.0f;  /* sum over runs of scale * 8 * sum(x): the stored nibbles are w + 8 */
     for (long b = 0; b < blocks; b++) {
         __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + b * 32));
         __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(unpack_q4_unsigned(wr + b * 16), xv), _mm256_set1_epi16(1));
-        float scale = xs[b] * gs[b >> gshift];
+        float scale = xs[b] * _cvtsh_ss(gs[b >> gshift]);
         acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(scale), acc);
         offset += (float)xo[b] * scale;
     }
@@ -158,7 +158,7 @@ static void run_s8(const int8_t *xq, const float *xs, const int8_t *w, const flo
 /* int4: TW blocks of 8 rows (w, block stride wstride; their scales gs, stride gstride) against TM
  * rows of x, adding into y (TM rows of stride ystride, 8 * TW columns).
  * `prefetch`: the first pass over these weights asks for them PREFETCH_BYTES ahead. */
-INLINE void lane_tile(int TW, int TM, const uint8_t *w, long wstride, const float *gs, long gstride,
+INLINE void lane_tile(int TW, int TM, const uint8_t *w, long wstride, const uint16_t *gs, long gstride,
                       const int8_t *xq, const float *xs, const int32_t *xo, long K, long G, float *y, long ystride,
                       int prefetch) {
     long blocks = K / 32;
@@ -207,7 +207,7 @@ INLINE void lane_tile(int TW, int TM, const uint8_t *w, long wstride, const floa
             }
         }
         for (int t = 0; t < TW; t++) {
-            __m256 scale = _mm256_loadu_ps(gs + t * gstride + (b >> gshift) * LANE_ROWS);
+            __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(gs + t * gstride + (b >> gshift) * LANE_ROWS)));
             for (int m = 0; m < TM; m++) {
                 __m256i dot = _mm256_sub_epi32(_mm256_madd_epi16(acc[t][m], ones), _mm256_set1_epi32(xo[m * blocks + b]));
                 accf[t][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(scale, _mm256_set1_ps(xs[m * blocks + b])),
@@ -221,11 +221,11 @@ INLINE void lane_tile(int TW, int TM, const uint8_t *w, long wstride, const floa
 
 /* int4: TW (1 or 2) blocks of 8 rows starting at row n, for rows [m0, m1) of x (adding into y,
  * which holds the bias). */
-INLINE void run_lanes(int TW, const int8_t *xq, const float *xs, const int32_t *xo, const uint8_t *w, const float *ws,
+INLINE void run_lanes(int TW, const int8_t *xq, const float *xs, const int32_t *xo, const uint8_t *w, const uint16_t *ws,
                       float *y, long N, long K, long G, long n, long m0, long m1) {
     long blocks = K / 32, wstride = LANE_ROWS * K / 2, gstride = LANE_ROWS * (K / G);
     const uint8_t *wp = w + n * (K / 2);
-    const float *gp = ws + n * (K / G);
+    const uint16_t *gp = ws + n * (K / G);
     for (long m = m0; m < m1; m += LANE_TILE_X) {
         const int8_t *xp = xq + m * K;
         const float *sp = xs + m * blocks;
@@ -242,7 +242,7 @@ INLINE void run_lanes(int TW, const int8_t *xq, const float *xs, const int32_t *
  * `odd`. A tile runs over all of K at once (passes over parts of K, which keep less of x in
  * cache, measured slower: the sums go through memory between passes); a unit's weights stay
  * in cache while X_BLOCK rows of x pass. */
-static void run_int4(const int8_t *xq, const float *xs, const int32_t *xo, const uint8_t *w, const float *ws,
+static void run_int4(const int8_t *xq, const float *xs, const int32_t *xo, const uint8_t *w, const uint16_t *ws,
                      const float *bias, float *y, long M, long N, long K, long G, long u0, long u1, int odd) {
     long unit = 2 * LANE_ROWS, rows_end = u1 * unit + (odd ? LANE_ROWS : 0);
     for (long m = 0; m < M; m++)
@@ -254,8 +254,8 @@ static void run_int4(const int8_t *xq, const float *xs, const int32_t *xo, const
     }
 }
 
-/* kind: 0 = int8, 1 = int4. ws: int8 row scales [N] or int4 group scales (layouts above). */
-void anna_qgemm(const float *x, const void *w, const float *ws, int kind, long G, const float *bias, float *y,
+/* kind: 0 = int8, 1 = int4. ws: int8 row scales [N] (fp32) or int4 group scales (fp16, layouts above). */
+void anna_qgemm(const float *x, const void *w, const void *ws, int kind, long G, const float *bias, float *y,
                 long M, long N, long K, int threads) {
     long blocks = K / 32;
     int8_t *xq = (int8_t *)malloc(M * K);
@@ -273,11 +273,11 @@ void anna_qgemm(const float *x, const void *w, const float *ws, int kind, long G
         int last = t == nt - 1;
         if (b > e) b = e;
         if (kind == 0) {
-            if (b < e) run_s8(xq, xs, (const int8_t *)w, ws, bias, y, M, N, K, b * unit, e * unit);
+            if (b < e) run_s8(xq, xs, (const int8_t *)w, (const float *)ws, bias, y, M, N, K, b * unit, e * unit);
         } else {
             /* the last thread also takes the odd block of 8 rows */
             int odd = last && units * unit < packed;
-            if (b < e || odd) run_int4(xq, xs, xo, (const uint8_t *)w, ws, bias, y, M, N, K, G, b, e, odd);
+            if (b < e || odd) run_int4(xq, xs, xo, (const uint8_t *)w, (const uint16_t *)ws, bias, y, M, N, K, G, b, e, odd);
         }
         if (last)
             for (long n = packed; n < N; n++)
@@ -292,7 +292,7 @@ void anna_qgemm(const float *x, const void *w, const float *ws, int kind, long G
 
 /* Dequantize rows of packed weights (all N when rows is NULL, else the R listed) to fp32
  * row-major: the "dequant" strategy for large M, and embedding lookups. */
-void anna_dequant(const void *w, const float *ws, int kind, long G, const long *rows, long R, long N, long K,
+void anna_dequant(const void *w, const void *ws, int kind, long G, const long *rows, long R, long N, long K,
                   float *out, int threads) {
     long block_rows = kind == 0 ? PACK_ROWS : LANE_ROWS;
     long packed = N / block_rows * block_rows, groups = kind == 1 ? K / G : 0;
@@ -307,15 +307,15 @@ void anna_dequant(const void *w, const float *ws, int kind, long G, const long *
             const int8_t *base = (const int8_t *)w + first * K;
             for (long k = 0; k < K; k += 32) {
                 const int8_t *p = base + k * lanes + r * 32;
-                for (int j = 0; j < 32; j++) o[k + j] = p[j] * ws[n];
+                for (int j = 0; j < 32; j++) o[k + j] = p[j] * ((const float *)ws)[n];
             }
         } else if (in_block) {
             const uint8_t *base = (const uint8_t *)w + first * (K / 2);
-            const float *gs = ws + first * groups;
+            const uint16_t *gs = (const uint16_t *)ws + first * groups;
             const __m128i low = _mm_set1_epi8(0x0F);
             const __m128 eight = _mm_set1_ps(8.0f);
             for (long k = 0; k < K; k += 32) {
-                __m128 s = _mm_set1_ps(gs[(k / G) * LANE_ROWS + r]);
+                __m128 s = _mm_set1_ps(_cvtsh_ss(gs[(k / G) * LANE_ROWS + r]));
                 for (int l = 0; l < 4; l++) {  /* this row's 4 bytes of vector l: 4 + 4 weights */
                     int32_t word;
                     __builtin_memcpy(&word, base + (k / 32) * 128 + l * 32 + 4 * r, 4);
@@ -328,11 +328,11 @@ void anna_dequant(const void *w, const float *ws, int kind, long G, const long *
             }
         } else {
             const uint8_t *p = (const uint8_t *)w + n * (K / 2);
-            const float *gs = ws + n * groups;
+            const uint16_t *gs = (const uint16_t *)ws + n * groups;
             for (long k = 0; k < K; k += 32)
                 for (int j = 0; j < 16; j++) {
-                    o[k + j] = (float)((p[k / 2 + j] & 0x0F) - 8) * gs[k / G];
-                    o[k + 16 + j] = (float)((p[k / 2 + j] >> 4) - 8) * gs[k / G];
+                    o[k + j] = (float)((p[k / 2 + j] & 0x0F) - 8) * _cvtsh_ss(gs[k / G]);
+                    o[k + 16 + j] = (float)((p[k / 2 + j] >> 4) - 8) * _cvtsh_ss(gs[k / G]);
                 }
         }
     }
