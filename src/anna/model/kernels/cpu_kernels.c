@@ -255,18 +255,29 @@ INLINE __m256 dot8(const float *q, const float *const k[8], long dim) {
     return hsum8(a);
 }
 
-/* KV head h's row of position p of a sequence (block table `table`) in a paged cache
- * [blocks, kv_heads, block_size, dim]: a shift and a mask when the block size is a power of two
- * (`shift` >= 0), else a division. */
-INLINE const float *paged_row(const float *cache, const long *table, long p, long block_size, int shift, long kv_heads,
-                              long h, long dim) {
-    long blk = shift >= 0 ? p >> shift : p / block_size, r = shift >= 0 ? p & (block_size - 1) : p % block_size;
-    return cache + ((table[blk] * kv_heads + h) * block_size + r) * dim;
+/* One sequence's view of a paged cache [blocks, kv_heads, block_size, dim], for KV head h. */
+typedef struct {
+    const long *table;  /* the sequence's block ids */
+    long block_size, kv_heads, h, dim;
+    int shift;          /* log2(block_size) when it is a power of two, else -1 */
+} PagedSeq;
+
+/* Position p's row: a shift and a mask when the block size is a power of two, else a division. */
+INLINE const float *paged_row(const float *cache, const PagedSeq *s, long p) {
+    long blk = s->shift >= 0 ? p >> s->shift : p / s->block_size;
+    long r = s->shift >= 0 ? p & (s->block_size - 1) : p % s->block_size;
+    return cache + ((s->table[blk] * s->kv_heads + s->h) * s->block_size + r) * s->dim;
 }
 
-/* Asks for the `bytes` from p onwards (rows of the next eight positions, while this eight runs). */
-INLINE void prefetch_bytes(const float *p, long bytes) {
-    for (long b = 0; b < bytes; b += 64) _mm_prefetch((const char *)p + b, _MM_HINT_T0);
+/* The rows of positions p .. p + 7 into rows[], asking for the next eight (up to n) meanwhile. */
+INLINE void paged_rows8(const float *cache, const PagedSeq *s, long p, long n, const float *rows[8]) {
+    for (int j = 0; j < 8; j++) {
+        rows[j] = paged_row(cache, s, p + j);
+        if (p + 8 + j < n) {
+            const char *next = (const char *)paged_row(cache, s, p + 8 + j);
+            for (long b = 0; b < s->dim * 4; b += 64) _mm_prefetch(next + b, _MM_HINT_T0);
+        }
+    }
 }
 
 /* Decode attention over a paged fp32 KV cache: one query token per sequence.
@@ -294,16 +305,13 @@ void anna_paged_decode_attention(const float *q, const float *k_cache, const flo
                 scores = (float *)malloc(sizeof(float) * cap);
             }
             const float *qv = q + (sq * heads + kvh * group) * dim;  /* the group's query heads, consecutive */
-            const long *table = tables + sq * table_width;
+            PagedSeq seq = {tables + sq * table_width, block_size, kv_heads, kvh, dim, shift};
             for (long g = 0; g < group; g++) mx[g] = -INFINITY;
             long p = start;
             /* eight positions at a time: one reduction for eight scores instead of one each */
             for (; dim % 8 == 0 && p + 8 <= n; p += 8) {
                 const float *kr[8];
-                for (int j = 0; j < 8; j++) {
-                    kr[j] = paged_row(k_cache, table, p + j, block_size, shift, kv_heads, kvh, dim);
-                    if (p + 8 + j < n) prefetch_bytes(paged_row(k_cache, table, p + 8 + j, block_size, shift, kv_heads, kvh, dim), dim * 4);
-                }
+                paged_rows8(k_cache, &seq, p, n, kr);
                 for (long g = 0; g < group; g++) {
                     __m256 sc = _mm256_mul_ps(dot8(qv + g * dim, kr, dim), _mm256_set1_ps(scale));
                     _mm256_storeu_ps(scores + g * len + p - start, sc);
@@ -314,7 +322,7 @@ void anna_paged_decode_attention(const float *q, const float *k_cache, const flo
                 }
             }
             for (; p < n; p++) {
-                const float *kv = paged_row(k_cache, table, p, block_size, shift, kv_heads, kvh, dim);
+                const float *kv = paged_row(k_cache, &seq, p);
                 for (long g = 0; g < group; g++) {
                     float sc = dot(qv + g * dim, kv, dim) * scale;
                     scores[g * len + p - start] = sc;
@@ -344,10 +352,7 @@ void anna_paged_decode_attention(const float *q, const float *k_cache, const flo
              * rows (once per value row, the loop was bound by its stores) */
             for (; dim % 8 == 0 && p + 8 <= n; p += 8) {
                 const float *vr[8];
-                for (int j = 0; j < 8; j++) {
-                    vr[j] = paged_row(v_cache, table, p + j, block_size, shift, kv_heads, kvh, dim);
-                    if (p + 8 + j < n) prefetch_bytes(paged_row(v_cache, table, p + 8 + j, block_size, shift, kv_heads, kvh, dim), dim * 4);
-                }
+                paged_rows8(v_cache, &seq, p, n, vr);
                 for (long g = 0; g < group; g++) {
                     const float *sg = scores + g * len + p - start;
                     __m256 wv[8];
@@ -364,7 +369,7 @@ void anna_paged_decode_attention(const float *q, const float *k_cache, const flo
                 }
             }
             for (; p < n; p++) {
-                const float *vv = paged_row(v_cache, table, p, block_size, shift, kv_heads, kvh, dim);
+                const float *vv = paged_row(v_cache, &seq, p);
                 for (long g = 0; g < group; g++) {
                     float wgt = scores[g * len + p - start] * inv[g];
                     float *og = o + g * dim;
