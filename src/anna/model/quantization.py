@@ -3,8 +3,9 @@
 int8: one fp32 scale per output row, q in [-127, 127].
 int4: one fp16 scale per group of ``group`` input columns (as llama.cpp's Q4_0: fp32 scales made
 int4 weights 10% larger and batch-1 decode, which reads them all, 5-9% slower), q in [-8, 7]
-stored as q + 8 in a nibble; each run of 32 weights is 16 bytes, byte i holding weight i (low nibble) and weight
-i + 16 (high nibble), the layout the AVX2 kernels unpack with one shift and one mask.
+stored as q + 8 in a nibble; each run of 32 weights is 16 bytes, byte i holding weight i (low
+nibble) and weight i + 16 (high nibble), the layout the AVX2 kernels unpack with one shift and
+one mask.
 """
 
 from __future__ import annotations

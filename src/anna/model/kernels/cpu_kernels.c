@@ -359,10 +359,12 @@ void anna_paged_decode_attention(const float *q, const float *k_cache, const flo
                     for (int j = 0; j < 8; j++) wv[j] = _mm256_set1_ps(sg[j] * inv[g]);
                     float *og = o + g * dim;
                     for (long i = 0; i < dim; i += 8) {
-                        __m256 a = _mm256_loadu_ps(og + i), b = _mm256_mul_ps(wv[1], _mm256_loadu_ps(vr[1] + i));
-                        for (int j = 0; j < 8; j += 2) {
+                        /* two chains of four fmas instead of one of eight */
+                        __m256 a = _mm256_fmadd_ps(wv[0], _mm256_loadu_ps(vr[0] + i), _mm256_loadu_ps(og + i));
+                        __m256 b = _mm256_mul_ps(wv[1], _mm256_loadu_ps(vr[1] + i));
+                        for (int j = 2; j < 8; j += 2) {
                             a = _mm256_fmadd_ps(wv[j], _mm256_loadu_ps(vr[j] + i), a);
-                            if (j) b = _mm256_fmadd_ps(wv[j + 1], _mm256_loadu_ps(vr[j + 1] + i), b);
+                            b = _mm256_fmadd_ps(wv[j + 1], _mm256_loadu_ps(vr[j + 1] + i), b);
                         }
                         _mm256_storeu_ps(og + i, _mm256_add_ps(a, b));
                     }
