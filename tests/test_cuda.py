@@ -30,6 +30,18 @@ def test_cuda_float32_logits_match_transformers(arch, hf_models, cache_dir):
     assert tokens == hf_greedy(model, PROMPT, 17)
 
 
+def generate_together(engine: LLMEngine, prompts: list[list[int]], params, prefix: str) -> list[list[int]]:
+    """Tokens of each prompt, all submitted at once."""
+    for i, p in enumerate(prompts):
+        engine.add_request(f"{prefix}{i}", p, params)
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+    return [done[f"{prefix}{i}"] for i in range(len(prompts))]
+
+
 def test_cuda_batched_generation_matches_single(hf_models, cache_dir):
     from anna import SamplingParams
 
@@ -37,21 +49,8 @@ def test_cuda_batched_generation_matches_single(hf_models, cache_dir):
     engine = LLMEngine(engine_settings(path, cache_dir, device="cuda"), show_progress=False)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     prompts = [PROMPT[:n] for n in (5, 17, 33, 40)]
-    alone = []
-    for i, p in enumerate(prompts):
-        engine.add_request(f"a{i}", p, params)
-        while engine.has_unfinished_requests():
-            out = engine.step()
-            if out and out[0].finished:
-                alone.append(out[0].outputs[0].token_ids)
-    for i, p in enumerate(prompts):
-        engine.add_request(f"b{i}", p, params)
-    together = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                together[out.request_id] = out.outputs[0].token_ids
-    assert [together[f"b{i}"] for i in range(4)] == alone
+    alone = [generate_together(engine, [p], params, f"a{i}-")[0] for i, p in enumerate(prompts)]
+    assert generate_together(engine, prompts, params, "b") == alone
 
 
 def test_cuda_profile_run_measures_an_activation_peak(hf_models):
@@ -64,3 +63,27 @@ def test_cuda_profile_run_measures_an_activation_peak(hf_models):
     small = profile_activation_peak(engine_model, cfg, 16, 1, 16, torch.device("cuda"), torch.float32)
     large = profile_activation_peak(engine_model, cfg, 256, 64, 16, torch.device("cuda"), torch.float32)
     assert 0 < small < large
+
+
+def test_cuda_graph_decode_matches_eager(hf_models, cache_dir):
+    """--decode-executor graph captures CUDA graphs and decodes what eager decodes."""
+    from anna import SamplingParams
+
+    _, path = hf_models["qwen2"]
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    prompts = [PROMPT[:n] for n in (5, 17, 33)]  # batch 3 pads to 4; 1-4 blocks pad to powers of two
+    results = {}
+    for executor in ("eager", "graph"):
+        engine = LLMEngine(engine_settings(path, cache_dir, device="cuda", decode_executor=executor, max_num_seqs=8),
+                           show_progress=False)
+        assert engine.decode_executor == executor
+        results[executor] = generate_together(engine, prompts, params, "r")
+        if executor == "graph":
+            graphs = engine.runner.graphs
+            assert graphs is not None and graphs.capture  # no fallback to eager
+            assert graphs.graphs and graphs.replays >= params.max_tokens - 1
+        logits, _ = run_logits(engine, PROMPT, 8)
+        results[executor + "_logits"] = logits
+    assert results["graph"] == results["eager"]
+    ref = results["eager_logits"]
+    assert (results["graph_logits"] - ref).abs().max().item() <= 1e-3 * ref.abs().max().item()

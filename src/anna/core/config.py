@@ -143,8 +143,8 @@ class ServeSettings:
         False, "Compile the forward pass as one graph (fails instead of splitting at code torch cannot trace).")
     decode_executor: str | None = _setting(
         "auto", "How a decode-only step runs. graph: one captured step (on CPU Anna's fused C decode stack; "
-                "CUDA graphs are not implemented yet, so eager there); eager: layer by layer; auto: graph "
-                "where it measured faster (CPU), else eager.", choices=("auto", "eager", "graph"))
+                "on CUDA a replayed CUDA graph per batch size and context bucket); eager: layer by layer; "
+                "auto: graph where it measured faster (CPU), else eager.", choices=("auto", "eager", "graph"))
     torchinductor_cache_dir: str | None = _setting(
         "~/.anna/cache/torchinductor", "Persistent torch.compile cache, so that a restart reuses compiled "
         "kernels. A TORCHINDUCTOR_CACHE_DIR set by the user is used when this is not set.")

@@ -26,17 +26,24 @@ def resolve_compile_mode(mode: str, device: torch.device) -> str:
     return AUTO_MODE.get(device.type, "none") if mode == "auto" else mode
 
 
-def resolve_decode_executor(choice: str, device: torch.device, fused_available: bool) -> str:
-    """``graph`` or ``eager``. On CPU the captured decode step is Anna's fused C decode stack (one call
-    for all layers), measured faster than layer by layer (docs/BENCHMARKS.md), so auto picks it.
-    Elsewhere there is no graph executor yet: auto is eager, and asking for graph says so once."""
+def resolve_decode_executor(choice: str, device: torch.device, fused_available: bool, profiling: bool) -> str:
+    """``graph`` or ``eager``. On CPU the graph executor is Anna's fused C decode stack (one call for
+    all layers), measured faster than layer by layer (docs/BENCHMARKS.md), so auto picks it. On
+    CUDA it replays captured CUDA graphs (runtime/cuda_graphs.py) when asked for; auto stays eager
+    there until a GPU measurement says otherwise. Profiling times every op, so it runs eager."""
     if choice == "eager":
         return "eager"
-    if device.type == "cpu" and fused_available:
+    if device.type == "cpu" and fused_available and not profiling:
+        return "graph"
+    if device.type == "cuda" and choice == "graph" and not profiling:
         return "graph"
     if choice == "graph":
-        why = "needs Anna's CPU kernels and no --profile-runtime" if device.type == "cpu" else \
-            f"graph capture is not implemented for {device.type}"
+        if profiling:
+            why = "--profile-runtime times each op"
+        elif device.type == "cpu":
+            why = "needs Anna's CPU kernels"
+        else:
+            why = f"graph capture is not implemented for {device.type}"
         log.warning("decode_executor=graph: %s; running eager", why)
     return "eager"
 

@@ -109,7 +109,9 @@ class LLMEngine:
                      use_inductor_cache_dir(s.torchinductor_cache_dir))
         sampler = Sampler(s.seed, self.device, argmax=policy.cpu.argmax if policy.cpu is not None else None)
         self.runner = ModelRunner(model, self.kv, self.device, self.activation_dtype, sampler, self.compile_mode,
-                                  s.compile_fullgraph)
+                                  s.compile_fullgraph, graph_decode=self.decode_executor == "graph"
+                                  and self.device.type == "cuda", max_num_seqs=s.max_num_seqs,
+                                  max_model_len=self.max_model_len)
         floor = s.memory_release_min_free_mib if s.memory_release_min_free_mib >= 0 else s.min_free_memory_mib
         self.memory = MemoryReleaser(
             self.kv, self.runner.kv_caches, self.prompt_cache, self.device, s.kv_release_chunk_blocks,
@@ -130,13 +132,14 @@ class LLMEngine:
                else None)
         if self.device.type == "cpu":
             log.info("CPU kernels: %s", f"Anna's (matmuls up to M={s.cpu_gemv_max_rows})" if cpu else "torch's")
-        self.decode_executor = resolve_decode_executor(s.decode_executor, self.device,
-                                                       cpu is not None and self.profiler is None)
+        self.decode_executor = resolve_decode_executor(s.decode_executor, self.device, cpu is not None,
+                                                       profiling=self.profiler is not None)
         log.info("Decode executor: %s", self.decode_executor)
         return KernelPolicy(cpu=cpu, cpu_gemv_max_rows=s.cpu_gemv_max_rows, cpu_upcast_min_rows=s.cpu_upcast_min_rows,
                             quantization=s.quantization, int4_group_size=s.int4_group_size,
                             int4_matmul=s.int4_matmul, int4_gemv_m_threshold=s.int4_gemv_m_threshold,
-                            profiler=self.profiler, fused_decode=self.decode_executor == "graph")
+                            profiler=self.profiler,
+                            fused_decode=self.decode_executor == "graph" and self.device.type == "cpu")
 
     def _prompt_cache(self) -> PromptCache:
         """Resolve the exact prompt cache's auto values. Anna's KV layout is paged, so by default

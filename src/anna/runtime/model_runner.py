@@ -5,6 +5,7 @@ The runner owns the KV cache tensors and the model; it never decides who runs.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -14,9 +15,12 @@ from anna.model.attention import AttentionMetadata, build_metadata, kv_cache_sha
 from anna.model.linear import profiled
 from anna.model.llama import LlamaForCausalLM
 from anna.runtime.compilation import CompiledForward
+from anna.runtime.cuda_graphs import GraphDecoder
 from anna.runtime.kv_cache import KVCacheManager
 from anna.runtime.sampler import SampleResult, Sampler
 from anna.runtime.scheduler import ScheduledBatch
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -37,7 +41,10 @@ class ModelInputs:
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, kv: KVCacheManager, device: torch.device, kv_dtype: torch.dtype,
-                 sampler: Sampler, compile_mode: str = "none", compile_fullgraph: bool = False) -> None:
+                 sampler: Sampler, compile_mode: str = "none", compile_fullgraph: bool = False,
+                 graph_decode: bool = False, max_num_seqs: int = 1, max_model_len: int = 1) -> None:
+        """``graph_decode``: decode-only steps go through a GraphDecoder (captured CUDA graphs on
+        CUDA; elsewhere its padded shapes run eagerly), which needs one spare KV block."""
         self.model = model
         self.model_forward = model.forward if compile_mode == "none" else \
             CompiledForward(model.forward, compile_mode, compile_fullgraph)
@@ -45,11 +52,15 @@ class ModelRunner:
         self.device = device
         self.sampler = sampler
         cfg = model.config
-        shape = kv_cache_shape(kv.num_blocks, kv.block_size, cfg.num_key_value_heads, cfg.head_dim)
+        blocks = kv.num_blocks + (1 if graph_decode else 0)
+        shape = kv_cache_shape(blocks, kv.block_size, cfg.num_key_value_heads, cfg.head_dim)
         # torch.empty: on CPU untouched pages cost no RAM until a block is first written.
         self.kv_caches = [(torch.empty(shape, dtype=kv_dtype, device=device),
                            torch.empty(shape, dtype=kv_dtype, device=device))
                           for _ in range(cfg.num_hidden_layers)]
+        self.graphs = GraphDecoder(model.forward, self.kv_caches, pad_block=kv.num_blocks, block_size=kv.block_size,
+                                   max_num_seqs=max_num_seqs, max_model_len=max_model_len, device=device,
+                                   capture=device.type == "cuda") if graph_decode else None
 
     def prepare(self, requests: list[Request], num_new_tokens: list[int]) -> ModelInputs:
         bs = self.kv.block_size
@@ -87,6 +98,13 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, inputs: ModelInputs) -> torch.Tensor:
         """Hidden states of every scheduled token, in model order."""
+        if self.graphs is not None and self.graphs.applies(inputs.meta, inputs.input_ids.shape[0]):
+            try:
+                return self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
+            except Exception as exc:  # capture (not the model) failed: this step and the rest run eager
+                log.warning("decode_executor=graph: capture failed, running eager from now on: %s",
+                            str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+                self.graphs = None
         return self.model_forward(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
 
     def _slots(self, request_id: str, num_tokens: int) -> torch.Tensor:
