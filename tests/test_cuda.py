@@ -55,7 +55,7 @@ def test_cuda_batched_generation_matches_single(hf_models, cache_dir):
 
 def test_cuda_profile_run_measures_an_activation_peak(hf_models):
     from anna.model.config import load_model_config
-    from anna.runtime.memory import profile_activation_peak
+    from anna.runtime.memory import profile_activation_peak, profile_decode_peak
 
     _, path = hf_models["qwen2"]
     engine_model = LLMEngine(engine_settings(path, path.parent, device="cuda"), show_progress=False).runner.model
@@ -63,6 +63,10 @@ def test_cuda_profile_run_measures_an_activation_peak(hf_models):
     small = profile_activation_peak(engine_model, cfg, 16, 1, 16, torch.device("cuda"), torch.float32)
     large = profile_activation_peak(engine_model, cfg, 256, 64, 16, torch.device("cuda"), torch.float32)
     assert 0 < small < large
+    # the decode graphs' workspace: one decode step, growing with the batch and the context
+    decode = [profile_decode_peak(engine_model, cfg, rows, context, 16, torch.device("cuda"), torch.float32)
+              for rows, context in ((1, 16), (8, 16), (8, 512))]
+    assert 0 < decode[0] < decode[1] < decode[2]
 
 
 def test_cuda_graph_decode_matches_eager(hf_models, cache_dir):

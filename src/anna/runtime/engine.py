@@ -23,7 +23,7 @@ from anna.model.linear import KernelPolicy
 from anna.runtime.compilation import resolve_compile_mode, resolve_decode_executor, use_inductor_cache_dir
 from anna.runtime.kv_cache import KVCacheManager
 from anna.runtime.memory import (activation_dtype, module_bytes, plan_kv_cache, profile_activation_peak,
-                                 resolve_device, resolve_dtype)
+                                 profile_decode_peak, resolve_device, resolve_dtype)
 from anna.runtime.memory_release import MemoryReleaser, ReleasePolicy
 from anna.runtime.metrics import EngineStats
 from anna.runtime.model_runner import ModelRunner
@@ -90,11 +90,14 @@ class LLMEngine:
         profile_tokens = min(s.max_num_batched_tokens, self.max_model_len)  # the largest prefill one step runs
         peak = profile_activation_peak(model, cfg, profile_tokens, min(s.max_num_seqs, profile_tokens), s.block_size,
                                        self.device, self.activation_dtype)
+        graph_decode = self.decode_executor == "graph" and self.device.type == "cuda"
+        graph_workspace = profile_decode_peak(model, cfg, s.max_num_seqs, self.max_model_len, s.block_size,
+                                              self.device, self.activation_dtype) if graph_decode else None
         plan = plan_kv_cache(cfg, self.activation_dtype, self.device, block_size=s.block_size,
                              max_model_len=self.max_model_len, kv_cache_memory_gib=s.kv_cache_memory,
                              num_blocks_override=s.num_gpu_blocks_override, memory_utilization=s.memory_utilization,
                              max_num_seqs=s.max_num_seqs, weights=module_bytes(model), activation_peak=peak,
-                             profile_tokens=profile_tokens)
+                             profile_tokens=profile_tokens, workspace_bytes=graph_workspace or 0)
         log.info(plan.describe(self.max_model_len))
         self.kv = KVCacheManager(plan.num_blocks, s.block_size, s.enable_prefix_caching)
         self.prompt_cache = self._prompt_cache()
@@ -109,8 +112,7 @@ class LLMEngine:
                      use_inductor_cache_dir(s.torchinductor_cache_dir))
         sampler = Sampler(s.seed, self.device, argmax=policy.cpu.argmax if policy.cpu is not None else None)
         self.runner = ModelRunner(model, self.kv, self.device, self.activation_dtype, sampler, self.compile_mode,
-                                  s.compile_fullgraph, graph_decode=self.decode_executor == "graph"
-                                  and self.device.type == "cuda", max_num_seqs=s.max_num_seqs,
+                                  s.compile_fullgraph, graph_decode=graph_decode, max_num_seqs=s.max_num_seqs,
                                   max_model_len=self.max_model_len)
         floor = s.memory_release_min_free_mib if s.memory_release_min_free_mib >= 0 else s.min_free_memory_mib
         self.memory = MemoryReleaser(

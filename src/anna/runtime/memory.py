@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -152,23 +153,58 @@ def profile_activation_peak(model: torch.nn.Module, cfg: ModelConfig, num_tokens
     ``num_logits`` rows; return the allocator's peak beyond what was in use before. CUDA only: on
     CPU the KV budget is a share of RAM, not what activations leave over, and a 2,048-token prefill
     of a 0.5B model takes ~14 s there (None: not profiled)."""
-    from anna.model.attention import build_metadata, kv_cache_shape
+    from anna.model.attention import build_metadata
 
     if device.type != "cuda":
         return None
-
     blocks = -(-num_tokens // block_size)
-    shape = kv_cache_shape(blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
-    caches = [(torch.zeros(shape, dtype=kv_dtype, device=device), torch.zeros(shape, dtype=kv_dtype, device=device))
-              for _ in range(cfg.num_hidden_layers)]
+    caches = _profile_caches(cfg, blocks, block_size, device, kv_dtype)
     positions = torch.arange(num_tokens)
     table = torch.arange(blocks).unsqueeze(0)
     meta = build_metadata(positions.clone(), [0], [num_tokens], table, block_size, cfg.sliding_window, device)
     ids = torch.randint(0, cfg.vocab_size, (num_tokens,), generator=torch.Generator().manual_seed(0)).to(device)
+    return _allocator_peak(device, caches, lambda: model.compute_logits(
+        model(ids, positions.to(device), caches, meta)[-num_logits:]))
+
+
+def profile_decode_peak(model: torch.nn.Module, cfg: ModelConfig, rows: int, context: int, block_size: int,
+                        device: torch.device, kv_dtype: torch.dtype) -> int | None:
+    """The allocator's peak of one decode step of ``rows`` sequences of ``context`` tokens (all
+    reading one block table): what the largest captured decode graph keeps in its own memory pool,
+    the graph workspace of the KV plan. CUDA only (None elsewhere)."""
+    from anna.model.attention import build_metadata
+
+    if device.type != "cuda":
+        return None
+    blocks = -(-context // block_size)
+    caches = _profile_caches(cfg, blocks, block_size, device, kv_dtype)
+    last = context - 1
+    slots = torch.full((rows,), (last // block_size) * block_size + last % block_size)
+    table = torch.arange(blocks).unsqueeze(0).expand(rows, -1)
+    meta = build_metadata(slots, [last] * rows, [1] * rows, table, block_size, cfg.sliding_window, device)
+    ids = torch.zeros(rows, dtype=torch.long, device=device)
+    positions = torch.full((rows,), last, device=device)
+    return _allocator_peak(device, caches, lambda: model.compute_logits(model(ids, positions, caches, meta)))
+
+
+def _profile_caches(cfg: ModelConfig, blocks: int, block_size: int, device: torch.device,
+                    kv_dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    from anna.model.attention import kv_cache_shape
+
+    shape = kv_cache_shape(blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
+    return [(torch.zeros(shape, dtype=kv_dtype, device=device), torch.zeros(shape, dtype=kv_dtype, device=device))
+            for _ in range(cfg.num_hidden_layers)]
+
+
+def _allocator_peak(device: torch.device, caches: list, run: Callable[[], object]) -> int:
+    """Bytes the CUDA allocator's peak rose above what was allocated before ``run``. Then the
+    profile's caches go back to the device (the KV plan reads the device's free memory)."""
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
     before = torch.cuda.memory_allocated(device)
-    hidden = model(ids, positions.to(device), caches, meta)
-    model.compute_logits(hidden[-num_logits:])
+    run()
     torch.cuda.synchronize(device)
-    return torch.cuda.max_memory_allocated(device) - before
+    peak = torch.cuda.max_memory_allocated(device) - before
+    caches.clear()
+    torch.cuda.empty_cache()
+    return peak
