@@ -89,7 +89,9 @@ INLINE __m256i unpack_q4_unsigned(const uint8_t *p) {
 #define LANE_ROWS 8   /* int4 */
 #define LANE_TILE_X 4 /* rows of x per int4 tile */
 #define X_BLOCK 64    /* int4: rows of x per pass over a thread's weights (at K = 4864, 311 KB: in L2) */
-#define PREFETCH_BYTES 1024
+/* How far ahead the first pass over the weights asks for them: 4 KB measured 1.03-1.16x over 1 KB
+ * for int4 at M = 1 (a 0.5B model's 24 layers, weights from memory), 1.2x for its lm_head. */
+#define PREFETCH_BYTES 4096
 
 /* log2 of the runs of 32 columns per group (G = 32, 64, 128): a shift, not a division per run */
 INLINE int group_shift(long G) { return G >= 128 ? 2 : G == 64 ? 1 : 0; }
