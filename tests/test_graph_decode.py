@@ -29,6 +29,19 @@ def test_capture_sizes_and_padding():
     assert padded_blocks(20, 24) == 24  # never past max_model_len's blocks
 
 
+def padded_runner(engine: LLMEngine) -> ModelRunner:
+    """A runner beside the engine's, sharing its model and block manager, with graph decode on
+    (no capture on CPU) and zeroed caches, so that any write shows."""
+    runner = ModelRunner(engine.runner.model, engine.kv, engine.device, torch.float32, engine.runner.sampler,
+                         graph_decode=True, max_num_seqs=8, max_model_len=engine.max_model_len)
+    assert runner.graphs is not None and not runner.graphs.capture
+    assert runner.kv_caches[0][0].shape[0] == engine.kv.num_blocks + 1  # the spare block
+    for k_cache, v_cache in runner.kv_caches:
+        k_cache.zero_()
+        v_cache.zero_()
+    return runner
+
+
 @pytest.mark.parametrize("cpu_kernels", [False, True], ids=["torch_attention", "anna_attention"])
 def test_padded_decode_steps_match_eager_and_write_only_the_spare_block(cpu_kernels, hf_models, cache_dir):
     """torch_attention is the path CUDA runs: the padded positions are masked out. Anna's CPU decode
@@ -37,14 +50,8 @@ def test_padded_decode_steps_match_eager_and_write_only_the_spare_block(cpu_kern
     engine = LLMEngine(engine_settings(path, cache_dir, decode_executor="eager", max_num_seqs=8,
                                        cpu_kernels=cpu_kernels), show_progress=False)
     eager, kv = engine.runner, engine.kv
-    padded = ModelRunner(eager.model, kv, engine.device, torch.float32, eager.sampler, graph_decode=True,
-                         max_num_seqs=8, max_model_len=engine.max_model_len)
-    assert padded.graphs is not None and not padded.graphs.capture
+    padded = padded_runner(engine)
     spare = kv.num_blocks
-    assert padded.kv_caches[0][0].shape[0] == spare + 1
-    for k_cache, v_cache in padded.kv_caches:  # so that any write shows
-        k_cache.zero_()
-        v_cache.zero_()
 
     # 3 sequences of 1, 2 and 3-4 blocks (block size 16) decode together: batch 3 pads to 4 and
     # 3 blocks of table to 4; then the shortest stops (batch 2, no batch padding).
@@ -95,3 +102,18 @@ def test_padded_decode_steps_match_eager_and_write_only_the_spare_block(cpu_kern
     finally:
         for req in reqs:
             kv.free(req)
+
+
+def test_graph_warm_up_runs_every_block_count_and_writes_only_the_spare_block(hf_models, cache_dir):
+    _, path = hf_models["qwen2"]
+    engine = LLMEngine(engine_settings(path, cache_dir, decode_executor="eager", max_num_seqs=8, cpu_kernels=False,
+                                       max_model_len=384), show_progress=False)
+    runner = padded_runner(engine)
+    graphs = runner.graphs
+    assert graphs.max_blocks == 24
+    # batch 1 and 3 (padded to 4), each at 1, 2, 4, 8, 16 and 24 blocks
+    assert graphs.warm_up([1, 3]) == 12
+    spare = engine.kv.num_blocks
+    for k_cache, v_cache in runner.kv_caches:
+        assert k_cache[:spare].abs().sum() == 0 and v_cache[:spare].abs().sum() == 0
+        assert torch.isfinite(k_cache[spare]).all() and k_cache[spare].abs().sum() > 0

@@ -5,8 +5,9 @@ A captured graph has fixed shapes and reads fixed addresses, so each step is cop
 buffers and padded: the batch up to the next capture size (1, 2, 4, then multiples of 8, as
 vLLM), the block tables up to the next power-of-two number of blocks (the decode attention reads
 every position of its tables, masked; a table as long as max_model_len on every step would make
-short sequences pay for the longest). One graph per (batch size, blocks) pair, captured the
-first time a step needs it; all share one memory pool.
+short sequences pay for the longest). One graph per (batch size, blocks) pair, all sharing one
+memory pool: warmup captures every block count for its batch sizes, other shapes are captured
+the first time a step needs them.
 
 Padded rows decode token 0 at position 0 into a KV block that no request owns (the runner
 allocates one block more than the KV cache manager hands out), attending to that one slot, so
@@ -77,20 +78,6 @@ class GraphDecoder:
         rows = padded_batch(n, self.sizes)
         used = meta.decode_block_tables.shape[1]
         blocks = padded_blocks(used, self.max_blocks)
-        self._fill(input_ids, positions, meta, n, rows, used, blocks)
-        key = (rows, blocks)
-        if not self.capture:
-            out = self.forward(*self._static_inputs(rows, blocks))
-        else:
-            if key not in self.graphs:
-                self.graphs[key] = self._capture(rows, blocks)
-            graph, out = self.graphs[key]
-            graph.replay()
-        self.replays += 1
-        return out[:n]
-
-    def _fill(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, n: int, rows: int,
-              used: int, blocks: int) -> None:
         bs = self.block_size
         self.input_ids[:n] = input_ids
         self.positions[:n] = positions
@@ -100,14 +87,45 @@ class GraphDecoder:
         self.context_lens[:n] = meta.decode_context_lens
         self.mask[:n, :used * bs] = meta.decode_mask
         self.mask[:n, used * bs:blocks * bs] = True
-        if rows > n:  # padded rows: token 0 at position 0, into (and attending to) the spare block's first slot
+        self._pad_rows(n, rows, blocks)
+        out = self._replay(rows, blocks)
+        self.replays += 1
+        return out[:n]
+
+    def warm_up(self, batch_sizes: list[int]) -> int:
+        """Capture, for these batch sizes, every block count a step can pad to, with padded rows
+        only (they write nothing but the spare block), so that no request waits for a capture.
+        Returns the number of shapes run."""
+        block_counts = sorted({padded_blocks(1 << i, self.max_blocks) for i in range(self.max_blocks.bit_length() + 1)})
+        shapes = [(rows, blocks) for rows in sorted({padded_batch(b, self.sizes) for b in batch_sizes})
+                  for blocks in block_counts]
+        for rows, blocks in shapes:
+            self._pad_rows(0, rows, blocks)
+            self._replay(rows, blocks)
+        return len(shapes)
+
+    def _pad_rows(self, n: int, rows: int, blocks: int) -> None:
+        """Rows n..rows: token 0 at position 0, into (and attending to) the spare block's first slot."""
+        if rows > n:
             self.input_ids[n:rows] = 0
             self.positions[n:rows] = 0
-            self.slots[n:rows] = self.pad_block * bs
+            self.slots[n:rows] = self.pad_block * self.block_size
             self.tables[n:rows, :blocks] = self.pad_block
             self.context_lens[n:rows] = 1
-            self.mask[n:rows, :blocks * bs] = True
+            self.mask[n:rows, :blocks * self.block_size] = True
             self.mask[n:rows, 0] = False
+
+    def _replay(self, rows: int, blocks: int) -> torch.Tensor:
+        """Run the shape on what the buffers hold: replay its graph (captured now if new), or,
+        without capture, the forward pass on the buffers."""
+        if not self.capture:
+            return self.forward(*self._static_inputs(rows, blocks))
+        key = (rows, blocks)
+        if key not in self.graphs:
+            self.graphs[key] = self._capture(rows, blocks)
+        graph, out = self.graphs[key]
+        graph.replay()
+        return out
 
     def _static_inputs(self, rows: int, blocks: int) -> tuple:
         meta = AttentionMetadata(
