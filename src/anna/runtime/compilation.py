@@ -55,6 +55,11 @@ def use_inductor_cache_dir(path: str) -> str:
     return resolved
 
 
+def first_line(exc: BaseException) -> str:
+    """One line saying why a compile or a capture failed, for its single warning."""
+    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+
+
 class CompiledForward:
     """Calls the compiled function; on the first failure, warns once and runs eager from then on."""
 
@@ -70,6 +75,6 @@ class CompiledForward:
                 return self.compiled(*args)
             except Exception as exc:  # compilation (not the model) failed: serve eager instead
                 log.warning("torch.compile (mode=%s) failed, running eager from now on: %s", self.mode,
-                            str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+                            first_line(exc))
                 self.compiled = None
         return self.eager(*args)

@@ -67,7 +67,7 @@ class GraphDecoder:
         self.mask = torch.ones(rows, width, dtype=torch.bool, device=device)  # True = masked out
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = torch.cuda.graph_pool_handle() if capture else None
-        self.replays = 0  # steps served (for the logs and tests)
+        self.replays = 0  # decode steps served
 
     def applies(self, meta: AttentionMetadata, num_tokens: int) -> bool:
         return not meta.prefills and meta.num_decode_tokens == num_tokens <= self.sizes[-1]

@@ -14,7 +14,7 @@ from anna.core.request import Request
 from anna.model.attention import AttentionMetadata, build_metadata, kv_cache_shape, read_slots, write_slots
 from anna.model.linear import profiled
 from anna.model.llama import LlamaForCausalLM
-from anna.runtime.compilation import CompiledForward
+from anna.runtime.compilation import CompiledForward, first_line
 from anna.runtime.cuda_graphs import GraphDecoder
 from anna.runtime.kv_cache import KVCacheManager
 from anna.runtime.sampler import SampleResult, Sampler
@@ -103,7 +103,7 @@ class ModelRunner:
                 return self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
             except Exception as exc:  # capture (not the model) failed: this step and the rest run eager
                 log.warning("decode_executor=graph: capture failed, running eager from now on: %s",
-                            str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+                            first_line(exc))
                 self.graphs = None
         return self.model_forward(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
 
