@@ -41,6 +41,25 @@ def test_gemv_matches_torch_at_every_m(kernels, dtype, n, k):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=f"M={m}")
 
 
+def test_gemv_rows_do_not_depend_on_the_thread_count(kernels):
+    """Threads share the blocks of rows in chunks and take each other's leftovers (work_split.h):
+    every row exactly once, also with more threads than blocks and with tail rows."""
+    threads = torch.get_num_threads()
+    for n in [35, 4099]:
+        packed = interleave_rows(torch.randn(n, 64).to(torch.bfloat16))
+        bias = torch.randn(n)
+        for m in [1, 7]:  # 7: the path that converts each block to fp32 first
+            x = torch.randn(m, 64)
+            try:
+                torch.set_num_threads(1)
+                want = kernels.gemv(x, packed, bias)
+                for t in [2, 3, 16]:
+                    torch.set_num_threads(t)
+                    assert torch.equal(kernels.gemv(x, packed, bias), want), (n, m, t)
+            finally:
+                torch.set_num_threads(threads)
+
+
 def test_linear_packs_once_and_serves_every_route(kernels):
     """An interleaved Linear gives torch's result through the kernel (small M) and through the fp32
     GEMM on the unpacked weight (M above cpu_gemv_max_rows)."""

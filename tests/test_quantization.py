@@ -108,6 +108,26 @@ def test_packed_kernel_is_exact_given_its_int8_x(kind, group, out_features, kern
         assert ((out - ref).norm() / ref.norm()).item() < 1e-5, m
 
 
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_packed_kernel_rows_do_not_depend_on_the_thread_count(kind, kernels):
+    """Threads share the output rows in chunks and take each other's leftovers (work_split.h):
+    every row must be computed exactly once, whatever the number of threads, including threads
+    with no rows of their own (8 threads for 7 units) and the int4 odd block and tail rows."""
+    threads = torch.get_num_threads()
+    for out_features in [(70, 37), (8200, 11)]:
+        layer = make_layer(kind, 32, kernels, "packed", out_features)
+        layer.interleave_for_cpu_kernel()
+        x = torch.randn(16, 256)
+        try:
+            torch.set_num_threads(1)
+            want = layer(x)
+            for n in [2, 3, 8]:
+                torch.set_num_threads(n)
+                assert torch.equal(layer(x), want), (out_features, n)
+        finally:
+            torch.set_num_threads(threads)
+
+
 def test_auto_routes_by_m(kernels):
     layer = make_layer("int4", 32, kernels, "auto")
     layer.interleave_for_cpu_kernel()

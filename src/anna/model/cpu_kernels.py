@@ -17,8 +17,9 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).parent / "kernels" / name
-           for name in ("cpu_kernels.c", "quant_kernels.c", "decode_layers.c")]
+KERNEL_DIR = Path(__file__).parent / "kernels"
+SOURCES = [KERNEL_DIR / name for name in ("cpu_kernels.c", "quant_kernels.c", "decode_layers.c")]
+HEADERS = [KERNEL_DIR / "work_split.h"]
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC"]
 WEIGHT_TYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 UNPACK_SCRATCH_BYTES = 128 << 20
@@ -202,7 +203,8 @@ def build_cpu_kernels(cache_dir: str | Path, compiler: str = "") -> CpuKernels |
         log.warning("CPU without AVX2/FMA/F16C: using torch's matmul kernels")
         return None
     compiler = shutil.which(compiler or "cc") or shutil.which("gcc")
-    digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + " ".join(CFLAGS).encode()).hexdigest()[:16]
+    sources = b"".join(p.read_bytes() for p in SOURCES + HEADERS)
+    digest = hashlib.sha256(sources + " ".join(CFLAGS).encode()).hexdigest()[:16]
     out_dir = Path(cache_dir).expanduser() / "kernels"
     library = out_dir / f"anna_cpu_kernels_{digest}.so"
     if not library.exists():

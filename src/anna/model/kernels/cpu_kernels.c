@@ -11,6 +11,8 @@
 #include <math.h>
 #include <stdlib.h>
 
+#include "work_split.h"
+
 #define INLINE static inline __attribute__((always_inline))
 
 /* Weight layout ("interleaved rows"): the kernels read W as blocks of PACK_ROWS consecutive rows; in a
@@ -120,20 +122,24 @@ INLINE void run_tail(const float *x, const void *w, int wtype, const float *bias
 }
 
 /* y[M, N] = x[M, K] . W^T (+ bias) with W's rows interleaved (see above). x, bias, y fp32; W bf16 (wtype 0),
- * fp16 (1) or fp32 (2). Threads split the blocks of rows; each reads its weights once for all of x. */
+ * fp16 (1) or fp32 (2). Threads share the blocks of rows (work_split.h); each block's weights are read once
+ * for all of x. */
 void anna_gemv(const float *x, const void *w, int wtype, const float *bias, float *y, int M, long N, long K,
                int threads) {
     long blocks = N / PACK_ROWS, full = blocks * PACK_ROWS;
+    split_range ranges[SPLIT_MAX_THREADS];
+    if (threads > SPLIT_MAX_THREADS) threads = SPLIT_MAX_THREADS;
     #pragma omp parallel num_threads(threads)
     {
-        int t = omp_get_thread_num(), nt = omp_get_num_threads();
-        long per = (blocks + nt - 1) / nt;
-        long b = t * per * PACK_ROWS, e = (t + 1) * per * PACK_ROWS;
-        if (e > full) e = full;
-        if (b < e) {  /* wtype is a literal at each call, so the loops are compiled once per type */
-            if (wtype == 0) run_blocks(x, w, 0, bias, y, M, N, b, e, K);
-            else if (wtype == 1) run_blocks(x, w, 1, bias, y, M, N, b, e, K);
-            else run_blocks(x, w, 2, bias, y, M, N, b, e, K);
+        int t = omp_get_thread_num(), nt = omp_get_num_threads(), visited = 0;
+        long b, e;
+        split_start(ranges, blocks, t, nt);
+        #pragma omp barrier
+        while (split_next(ranges, blocks, t, nt, &visited, &b, &e)) {
+            /* wtype is a literal at each call, so the loops are compiled once per type */
+            if (wtype == 0) run_blocks(x, w, 0, bias, y, M, N, b * PACK_ROWS, e * PACK_ROWS, K);
+            else if (wtype == 1) run_blocks(x, w, 1, bias, y, M, N, b * PACK_ROWS, e * PACK_ROWS, K);
+            else run_blocks(x, w, 2, bias, y, M, N, b * PACK_ROWS, e * PACK_ROWS, K);
         }
         if (t == nt - 1 && full < N) run_tail(x, w, wtype, bias, y, M, N, full, N, K);
     }

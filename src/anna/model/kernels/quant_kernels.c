@@ -24,6 +24,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "work_split.h"
+
 #define INLINE static inline __attribute__((always_inline))
 /* Pins a value to a register at this point. Without it gcc re-associates the int4 kernel's int16
  * sums (adds the products together first), runs out of registers and keeps five of the eight sums
@@ -240,7 +242,7 @@ INLINE void run_lanes(int TW, const int8_t *xq, const float *xs, const int32_t *
     }
 }
 
-/* int4: this thread's units of 2 blocks of 8 rows, [u0, u1), plus the odd block of 8 rows when
+/* int4: a chunk of units of 2 blocks of 8 rows, [u0, u1), plus the odd block of 8 rows when
  * `odd`. A tile runs over all of K at once (passes over parts of K, which keep less of x in
  * cache, measured slower: the sums go through memory between passes); a unit's weights stay
  * in cache while X_BLOCK rows of x pass. */
@@ -265,27 +267,31 @@ void anna_qgemm(const float *x, const void *w, const void *ws, int kind, long G,
     int32_t *xo = (int32_t *)malloc(sizeof(int32_t) * M * blocks);
     long unit = kind == 0 ? PACK_ROWS : 2 * LANE_ROWS;  /* rows per unit of work */
     long packed = kind == 0 ? N / PACK_ROWS * PACK_ROWS : N / LANE_ROWS * LANE_ROWS, units = packed / unit;
+    split_range ranges[SPLIT_MAX_THREADS];
+    if (threads > SPLIT_MAX_THREADS) threads = SPLIT_MAX_THREADS;
     #pragma omp parallel num_threads(threads)
     {
-        int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        int t = omp_get_thread_num(), nt = omp_get_num_threads(), visited = 0;
+        long b, e;
+        split_start(ranges, units, t, nt);
         for (long m = t; m < M; m += nt)
             quantize_x_row(x + m * K, xq + m * K, xs + m * blocks, xo + m * blocks, K);
         #pragma omp barrier
-        long per = (units + nt - 1) / nt, b = t * per, e = b + per < units ? b + per : units;
-        int last = t == nt - 1;
-        if (b > e) b = e;
-        if (kind == 0) {
-            if (b < e) run_s8(xq, xs, (const int8_t *)w, (const float *)ws, bias, y, M, N, K, b * unit, e * unit);
-        } else {
-            /* the last thread also takes the odd block of 8 rows */
-            int odd = last && units * unit < packed;
-            if (b < e || odd) run_int4(xq, xs, xo, (const uint8_t *)w, (const uint16_t *)ws, bias, y, M, N, K, G, b, e, odd);
+        while (split_next(ranges, units, t, nt, &visited, &b, &e)) {
+            if (kind == 0)
+                run_s8(xq, xs, (const int8_t *)w, (const float *)ws, bias, y, M, N, K, b * unit, e * unit);
+            else
+                run_int4(xq, xs, xo, (const uint8_t *)w, (const uint16_t *)ws, bias, y, M, N, K, G, b, e, 0);
         }
-        if (last)
+        if (t == nt - 1) {
+            /* int4: the odd block of 8 rows; both kinds: the row-major tail rows */
+            if (kind == 1 && units * unit < packed)
+                run_int4(xq, xs, xo, (const uint8_t *)w, (const uint16_t *)ws, bias, y, M, N, K, G, units, units, 1);
             for (long n = packed; n < N; n++)
                 for (long m = 0; m < M; m++)
                     y[m * N + n] = row_dot(kind, w, ws, n, K, G, xq + m * K, xs + m * blocks, xo + m * blocks) +
                                    (bias ? bias[n] : 0.0f);
+        }
     }
     free(xq);
     free(xs);
