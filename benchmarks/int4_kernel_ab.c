@@ -4,7 +4,7 @@
  * what makes a 5% difference visible on a machine whose speed moves 30% between runs.
  *
  *   git show HEAD~1:src/anna/model/kernels/quant_kernels.c > /tmp/base.c
- *   cc -O3 -mavx2 -mfma -mf16c -fopenmp -c /tmp/base.c -o /tmp/base.o
+ *   cc -O3 -mavx2 -mfma -mf16c -fopenmp -Isrc/anna/model/kernels -c /tmp/base.c -o /tmp/base.o
  *   objcopy --redefine-sym anna_qgemm=base_qgemm --redefine-sym anna_dequant=base_dequant /tmp/base.o
  *   cc -O3 -mavx2 -mfma -mf16c -fopenmp benchmarks/int4_kernel_ab.c /tmp/base.o \
  *      src/anna/model/kernels/quant_kernels.c -o /tmp/int4_ab

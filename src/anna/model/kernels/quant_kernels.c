@@ -159,18 +159,18 @@ static void run_s8(const int8_t *xq, const float *xs, const int8_t *w, const flo
         }
 }
 
-/* int4: TW blocks of 8 rows (w, block stride wstride; their scales gs, stride gstride) against TM
- * rows of x, adding into y (TM rows of stride ystride, 8 * TW columns).
+/* int4: TW blocks of 8 rows (w, block stride wstride; their scales gs, stride gstride; their bias
+ * or NULL) against TM rows of x, into y (TM rows of stride ystride, 8 * TW columns).
  * `prefetch`: the first pass over these weights asks for them PREFETCH_BYTES ahead. */
 INLINE void lane_tile(int TW, int TM, const uint8_t *w, long wstride, const uint16_t *gs, long gstride,
-                      const int8_t *xq, const float *xs, const int32_t *xo, long K, long G, float *y, long ystride,
-                      int prefetch) {
+                      const float *bias, const int8_t *xq, const float *xs, const int32_t *xo, long K, long G,
+                      float *y, long ystride, int prefetch) {
     long blocks = K / 32;
     int gshift = group_shift(G);
     const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
     __m256 accf[2][LANE_TILE_X];
     for (int t = 0; t < TW; t++)
-        for (int m = 0; m < TM; m++) accf[t][m] = _mm256_loadu_ps(y + m * ystride + t * 8);
+        for (int m = 0; m < TM; m++) accf[t][m] = bias ? _mm256_loadu_ps(bias + t * 8) : _mm256_setzero_ps();
     for (long b = 0; b < blocks; b++) {
         __m256i acc[2][LANE_TILE_X];  /* int16 partial sums of this run */
         for (int t = 0; t < TW; t++) {
@@ -223,10 +223,9 @@ INLINE void lane_tile(int TW, int TM, const uint8_t *w, long wstride, const uint
         for (int m = 0; m < TM; m++) _mm256_storeu_ps(y + m * ystride + t * 8, accf[t][m]);
 }
 
-/* int4: TW (1 or 2) blocks of 8 rows starting at row n, for rows [m0, m1) of x (adding into y,
- * which holds the bias). */
+/* int4: TW (1 or 2) blocks of 8 rows starting at row n, for rows [m0, m1) of x. */
 INLINE void run_lanes(int TW, const int8_t *xq, const float *xs, const int32_t *xo, const uint8_t *w, const uint16_t *ws,
-                      float *y, long N, long K, long G, long n, long m0, long m1) {
+                      const float *bias, float *y, long N, long K, long G, long n, long m0, long m1) {
     long blocks = K / 32, wstride = LANE_ROWS * K / 2, gstride = LANE_ROWS * (K / G);
     const uint8_t *wp = w + n * (K / 2);
     const uint16_t *gp = ws + n * (K / G);
@@ -236,7 +235,8 @@ INLINE void run_lanes(int TW, const int8_t *xq, const float *xs, const int32_t *
         const int32_t *op = xo + m * blocks;
         float *yp = y + m * N + n;
         long tm = m1 - m < LANE_TILE_X ? m1 - m : LANE_TILE_X;
-#define LANE_CASE(T) case T: lane_tile(TW, T, wp, wstride, gp, gstride, xp, sp, op, K, G, yp, N, m == m0); break;
+#define LANE_CASE(T) \
+    case T: lane_tile(TW, T, wp, wstride, gp, gstride, bias ? bias + n : NULL, xp, sp, op, K, G, yp, N, m == m0); break;
         switch (tm) { LANE_CASE(1) LANE_CASE(2) LANE_CASE(3) default: LANE_CASE(4) }
 #undef LANE_CASE
     }
@@ -248,13 +248,11 @@ INLINE void run_lanes(int TW, const int8_t *xq, const float *xs, const int32_t *
  * in cache while X_BLOCK rows of x pass. */
 static void run_int4(const int8_t *xq, const float *xs, const int32_t *xo, const uint8_t *w, const uint16_t *ws,
                      const float *bias, float *y, long M, long N, long K, long G, long u0, long u1, int odd) {
-    long unit = 2 * LANE_ROWS, rows_end = u1 * unit + (odd ? LANE_ROWS : 0);
-    for (long m = 0; m < M; m++)
-        for (long n = u0 * unit; n < rows_end; n++) y[m * N + n] = bias ? bias[n] : 0.0f;
+    long unit = 2 * LANE_ROWS;
     for (long m0 = 0; m0 < M; m0 += X_BLOCK) {
         long m1 = m0 + X_BLOCK < M ? m0 + X_BLOCK : M;
-        for (long u = u0; u < u1; u++) run_lanes(2, xq, xs, xo, w, ws, y, N, K, G, u * unit, m0, m1);
-        if (odd) run_lanes(1, xq, xs, xo, w, ws, y, N, K, G, u1 * unit, m0, m1);
+        for (long u = u0; u < u1; u++) run_lanes(2, xq, xs, xo, w, ws, bias, y, N, K, G, u * unit, m0, m1);
+        if (odd) run_lanes(1, xq, xs, xo, w, ws, bias, y, N, K, G, u1 * unit, m0, m1);
     }
 }
 
