@@ -108,6 +108,29 @@ def test_packed_kernel_is_exact_given_its_int8_x(kind, group, out_features, kern
         assert ((out - ref).norm() / ref.norm()).item() < 1e-5, m
 
 
+@pytest.mark.parametrize("signs", [(1, -1, 1, -1), (1, -1, -1, 1), (-1, 1, 1, -1), (1, 1, 1, 1)])
+def test_int4_kernel_is_exact_at_the_largest_sums(signs, kernels):
+    """The int4 kernel's int16 sums take the stored nibbles q = w + 8 and start at -8 * sum(x),
+    so they may pass the int16 range on the way and must still end exact. Weights at +-7 and x at
+    +-127, with the signs chosen per position mod 4 (the two int16 sums of a row), drive each
+    sum to its largest size: 16 rows through the row-lanes kernel, 3 through the tail path."""
+    wa, wb, xa, xb = signs
+    k = 64
+    lane_a = (torch.arange(k) % 4) < 2  # positions 0, 1 (mod 4): the first int16 sum of a row
+    w_row = torch.where(lane_a, 7.0 * wa, 7.0 * wb)
+    policy = KernelPolicy(cpu=kernels, quantization="int4", int4_group_size=32, int4_matmul="packed")
+    layer = QuantLinear(k, [19], bias=False, dtype=torch.float32, policy=policy)
+    layer.load("weight", 0, w_row.expand(19, k).clone(), "w", "test")
+    ref_w = dequantize_int4(layer.qweight, layer.scales, 32).double()
+    assert torch.equal(ref_w, w_row.double().expand(19, k))  # the weights are exactly +-7
+    layer.interleave_for_cpu_kernel()
+    for m in [1, 5]:  # one row of x, and a tile of several
+        x = torch.where(lane_a, float(xa), float(xb)).expand(m, k).clone()
+        ref = int8_blocks(x).double() @ ref_w.t()
+        out = layer(x).double()
+        assert ((out - ref).norm() / ref.norm()).item() < 1e-6, m
+
+
 @pytest.mark.parametrize("kind", ["int8", "int4"])
 def test_packed_kernel_rows_do_not_depend_on_the_thread_count(kind, kernels):
     """Threads share the output rows in chunks and take each other's leftovers (work_split.h):

@@ -14,8 +14,10 @@
  * run of 32 input columns k0..k0+31, a block holds 4 vectors of 32 bytes; in vector l, byte
  * 4j + i holds row j's weights k0 + 4l + i (low nibble) and k0 + 16 + 4l + i (high nibble).
  * maddubs of a vector's low nibbles against x[k0+4l .. +3] broadcast to every lane then yields
- * 8 rows' partial dot products at once, with no horizontal sums, and the int16 partial sums of
- * a whole run (at most 8 x 2 x 15 x 127 = 30,480) add up without overflow before widening once.
+ * 8 rows' partial dot products at once, with no horizontal sums. A row's two int16 sums of a run
+ * start at -8 x (the x values they take: see quantize_x_row), so that with the stored nibbles
+ * q = w + 8 they end at the sum of w * x, at most 16 x 8 x 127 = 16,256 in size: the int16 adds
+ * wrap, so that end value is exact whatever the partial sums did, and is widened once per run.
  * Group scales are [N / 8][K / G][8]. The last N % 8 rows are row-major: each run of 32 weights is
  * 16 bytes, byte i holding weight i (low nibble) and weight i + 16 (high nibble), scales [n][K / G]. */
 #include <immintrin.h>
@@ -47,8 +49,11 @@ INLINE __m256i dot_s8(__m256i a, __m256i b) {
     return _mm256_madd_epi16(p16, _mm256_set1_epi16(1));
 }
 
-/* One row of x [K] fp32 -> xq [K] int8, xs [K/32] scales and xo [K/32] = 8 * (sum of the block's
- * xq): the int4 kernels take the stored nibbles q = w + 8 as they are and subtract 8 * sum(x).
+/* One row of x [K] fp32 -> xq [K] int8, xs [K/32] scales and xo [K/32], where the int4 kernels'
+ * sums start: they take the stored nibbles q = w + 8 as they are, so a row's sum over a block
+ * must start at -8 * sum(x). In the row-lanes kernel a row has two int16 sums, one taking the
+ * block's x at positions 0, 1 (mod 4), the other at 2, 3; xo holds their two starts as int16
+ * (low, high), so that it can be broadcast into the sums as it is.
  * Rounds like lrintf(x / scale) (to nearest even), scale = max|x| / 127 per block of 32. */
 static void quantize_x_row(const float *x, int8_t *xq, float *xs, int32_t *xo, long K) {
     const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
@@ -72,11 +77,12 @@ static void quantize_x_row(const float *x, int8_t *xq, float *xs, int32_t *xo, l
         }
         __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
         _mm256_storeu_si256((__m256i *)(xq + b * 32), _mm256_permutevar8x32_epi32(packed, order));
+        /* lane j of `sum` adds positions j, j + 8, ...: lanes 0, 1, 4, 5 are positions 0, 1 (mod 4) */
         __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
-        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
-        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+        __m128i pair = _mm_hadd_epi32(s4, s4);  /* the two sums, at most 16 x 127 in size */
+        pair = _mm_sub_epi32(_mm_setzero_si128(), _mm_slli_epi32(pair, 3));
         xs[b] = d;
-        xo[b] = 8 * _mm_cvtsi128_si32(s4);
+        xo[b] = _mm_cvtsi128_si32(_mm_packs_epi32(pair, pair));  /* low int16, high int16 */
     }
 }
 
@@ -121,7 +127,7 @@ INLINE float row_dot(int kind, const void *w, const void *ws, long n, long K, lo
         __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(unpack_q4_unsigned(wr + b * 16), xv), _mm256_set1_epi16(1));
         float scale = xs[b] * _cvtsh_ss(gs[b >> gshift]);
         acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(scale), acc);
-        offset += (float)xo[b] * scale;
+        offset -= (float)((int16_t)(xo[b] & 0xFFFF) + (int16_t)(xo[b] >> 16)) * scale;  /* xo: -8 * sum(x) */
     }
     return hsum(acc) - offset;
 }
@@ -172,9 +178,12 @@ INLINE void lane_tile(int TW, int TM, const uint8_t *w, long wstride, const uint
     for (int t = 0; t < TW; t++)
         for (int m = 0; m < TM; m++) accf[t][m] = bias ? _mm256_loadu_ps(bias + t * 8) : _mm256_setzero_ps();
     for (long b = 0; b < blocks; b++) {
-        __m256i acc[2][LANE_TILE_X];  /* int16 partial sums of this run */
+        __m256i acc[2][LANE_TILE_X];  /* int16 sums of this run, starting at xo (see above) */
+        for (int m = 0; m < TM; m++) {
+            __m256i start = _mm256_set1_epi32(xo[m * blocks + b]);
+            for (int t = 0; t < TW; t++) acc[t][m] = start;
+        }
         for (int t = 0; t < TW; t++) {
-            for (int m = 0; m < TM; m++) acc[t][m] = _mm256_setzero_si256();
             if (prefetch) {
                 const char *p = (const char *)(w + t * wstride + b * 128) + PREFETCH_BYTES;
                 _mm_prefetch(p, _MM_HINT_T0);
@@ -213,7 +222,7 @@ INLINE void lane_tile(int TW, int TM, const uint8_t *w, long wstride, const uint
         for (int t = 0; t < TW; t++) {
             __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(gs + t * gstride + (b >> gshift) * LANE_ROWS)));
             for (int m = 0; m < TM; m++) {
-                __m256i dot = _mm256_sub_epi32(_mm256_madd_epi16(acc[t][m], ones), _mm256_set1_epi32(xo[m * blocks + b]));
+                __m256i dot = _mm256_madd_epi16(acc[t][m], ones);
                 accf[t][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(scale, _mm256_set1_ps(xs[m * blocks + b])),
                                              accf[t][m]);
             }
