@@ -4,7 +4,8 @@
 
 Per format: decode tok/s at batch 1 (64-token prompt, 128 new tokens, ignore_eos; median of
 --repeats runs), aggregate
-output tok/s of 16 concurrent requests (prefill included), and load time. For int4 the load is
+output tok/s of 16 concurrent requests (prefill included) and of their decode phase (after the
+first step's tokens: llama-batched-bench's S_TG), and load time. For int4 the load is
 timed twice: cold (the int4 layout cache emptied first) and warm (read from the cache).
 """
 
@@ -59,6 +60,7 @@ def main() -> None:
             row["decode_tok_s_batch1"] = round(statistics.median(decodes), 2)
             group = run_group(engine, [rand(64) for _ in range(args.streams)], 128, f"{fmt}-group")
             row[f"aggregate_tok_s_{args.streams}_streams"] = group["aggregate_tok_s"]
+            row[f"decode_phase_tok_s_{args.streams}_streams"] = group["decode_phase_tok_s"]
             results["formats"][fmt] = row
             print(fmt, row, flush=True)
             del llm

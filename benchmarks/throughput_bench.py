@@ -28,15 +28,22 @@ def run_group(engine, prompts: list[list[int]], new_tokens: int, tag: str) -> di
     for i, p in enumerate(prompts):
         engine.add_request(f"{tag}-{i}", p, params)
     first = None
+    first_step_outputs = 0  # the requests that got their first token in the first step with output
     tokens = 0
     while engine.has_unfinished_requests():
-        for out in engine.step():
-            first = first or time.perf_counter()
+        outs = engine.step()
+        if outs and first is None:
+            first, first_step_outputs = time.perf_counter(), len(outs)
+        for out in outs:
             if out.finished:
                 tokens += len(out.outputs[0].token_ids)
-    wall = time.perf_counter() - t0
+    end = time.perf_counter()
+    wall = end - t0
+    # decode phase: the tokens after that first step over the time after it, which is what
+    # llama-batched-bench reports as S_TG
     return {"requests": len(prompts), "output_tokens": tokens, "wall_s": round(wall, 3),
-            "aggregate_tok_s": round(tokens / wall, 2), "ttft_first_s": round(first - t0, 3)}
+            "aggregate_tok_s": round(tokens / wall, 2), "ttft_first_s": round(first - t0, 3),
+            "decode_phase_tok_s": round((tokens - first_step_outputs) / (end - first), 2) if end > first else None}
 
 
 def ttft(engine, prompt: list[int], tag: str) -> float:
