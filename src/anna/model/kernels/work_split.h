@@ -17,8 +17,7 @@
 
 typedef struct {
     long next;  /* the range's first unclaimed unit */
-    char pad[64 - sizeof(long)];  /* one cache line per range */
-} split_range;
+} __attribute__((aligned(64))) split_range;  /* one cache line per range */
 
 static inline long split_per_thread(long units, int nt) { return (units + nt - 1) / nt; }
 
