@@ -4,38 +4,40 @@ spends in attention, for a batch of sequences at a given context length.
     python benchmarks/attention_bench.py --contexts 128 1024
 
 Shapes default to Qwen2.5-0.5B's (14 query heads, 2 KV heads, head dim 64, 24 layers) with 16
-sequences; every layer has its own cache, so the KV rows come from memory as in a real step, and
-the block tables are shuffled (blocks of a long-running server are not in order). Prints the
-best of --repeats steps per context.
+sequences; every layer has its own cache, a pool of --pool-blocks blocks from which the sequences'
+blocks are drawn at random (blocks of a long-running server are not in order), so the KV rows
+come from memory as in a real step. The caches are on huge pages, as the engine keeps them
+(--compare-huge-pages: also on small pages, alternated step by step). Prints the best of
+--repeats steps per context.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 
 import torch
 
 from anna.model.attention import kv_cache_shape
 from anna.model.cpu_kernels import build_cpu_kernels
+from anna.model.host_memory import huge_page_zeros
 
 
-def step_ms(kernels, seqs: int, context: int, heads: int, kv_heads: int, dim: int, layers: int, block_size: int,
-            repeats: int) -> float:
-    blocks = seqs * -(-context // block_size)
-    shape = kv_cache_shape(blocks, block_size, kv_heads, dim)
-    caches = [(torch.randn(shape), torch.randn(shape)) for _ in range(layers)]
-    tables = torch.randperm(blocks).view(seqs, -1)
-    q = torch.randn(seqs, heads, dim)
-    lens = torch.full((seqs,), context, dtype=torch.long)
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for k_cache, v_cache in caches:
-            kernels.decode_attention(q, k_cache, v_cache, tables, lens, None, dim ** -0.5)
-        best = min(best, time.perf_counter() - t0)
-    return best * 1e3
+def make_caches(shape: tuple[int, ...], layers: int, huge_pages: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Random caches, one pair per layer, on huge pages (as the engine keeps them) or not."""
+    def one() -> torch.Tensor:
+        t = huge_page_zeros(shape, torch.float32) if huge_pages else torch.empty(shape)
+        return t.normal_()
+    return [(one(), one()) for _ in range(layers)]
+
+
+def step_ms(kernels, caches, tables: torch.Tensor, q: torch.Tensor, lens: torch.Tensor) -> float:
+    t0 = time.perf_counter()
+    for k_cache, v_cache in caches:
+        kernels.decode_attention(q, k_cache, v_cache, tables, lens, None, q.shape[-1] ** -0.5)
+    return (time.perf_counter() - t0) * 1e3
 
 
 def main() -> None:
@@ -49,16 +51,38 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--cache-dir", default="~/.cache/anna", help="where the compiled kernels are kept")
+    ap.add_argument("--pool-blocks", type=int, default=4096,
+                    help="blocks in each layer's cache (the sequences' blocks are a random subset), as the engine's "
+                         "pool (4,096 for 16 x 4,096 tokens)")
+    ap.add_argument("--compare-huge-pages", action="store_true",
+                    help="also time caches on small pages, alternated with the huge-page ones")
     args = ap.parse_args()
     kernels = build_cpu_kernels(args.cache_dir)
     if kernels is None:
         raise SystemExit("Anna's CPU kernels could not be built on this machine")
     rows = []
     for context in args.contexts:
-        ms = step_ms(kernels, args.seqs, context, args.heads, args.kv_heads, args.head_dim, args.layers,
-                     args.block_size, args.repeats)
+        blocks = args.seqs * -(-context // args.block_size)
+        pool = max(blocks, args.pool_blocks)
+        shape = kv_cache_shape(pool, args.block_size, args.kv_heads, args.head_dim)
+        tables = torch.randperm(pool)[:blocks].view(args.seqs, -1)
+        q = torch.randn(args.seqs, args.heads, args.head_dim)
+        lens = torch.full((args.seqs,), context, dtype=torch.long)
+        kinds = {"huge_pages": make_caches(shape, args.layers, True)}
+        if args.compare_huge_pages:
+            kinds["small_pages"] = make_caches(shape, args.layers, False)
+        times: dict[str, list[float]] = {kind: [] for kind in kinds}
+        for _ in range(args.repeats):
+            for kind, caches in kinds.items():
+                times[kind].append(step_ms(kernels, caches, tables, q, lens))
         kv_mb = args.layers * args.seqs * context * 2 * args.kv_heads * args.head_dim * 4 / 1e6
-        rows.append({"context": context, "seqs": args.seqs, "ms_per_step": round(ms, 2), "kv_mb_read": round(kv_mb)})
+        row = {"context": context, "seqs": args.seqs, "kv_mb_read": round(kv_mb)}
+        row.update({f"ms_per_step_{kind}": round(min(t), 2) for kind, t in times.items()})
+        if args.compare_huge_pages:
+            ratios = [s / h for s, h in zip(times["small_pages"], times["huge_pages"])]
+            row["speedup_median"] = round(statistics.median(ratios), 3)
+        rows.append(row)
+        del kinds
     print(json.dumps(rows, indent=1))
 
 

@@ -85,6 +85,8 @@ class ServeSettings:
         128, "Largest M (rows) routed to Anna's CPU matmul kernel; larger matmuls use torch.")
     cpu_upcast_min_rows: int | None = _setting(
         8, "Without Anna's CPU kernels: from this M on, half-precision matmuls run in fp32 (0 = never).")
+    cpu_huge_pages: bool | None = _setting(
+        True, "On CPU, keep the weights and the KV cache on transparent huge pages (Linux): fewer TLB misses.")
 
     # KV cache
     block_size: int | None = _setting(16, "Tokens per KV cache block.")

@@ -86,7 +86,7 @@ class LLMEngine:
                            activation_dtype=self.activation_dtype,
                            int4_cache=Int4CacheOptions(not s.disable_int4_cache, s.int4_cache_dir,
                                                        s.int4_cache_load_workers, s.cache_dir),
-                           show_progress=show_progress)
+                           show_progress=show_progress, huge_pages=s.cpu_huge_pages)
         profile_tokens = min(s.max_num_batched_tokens, self.max_model_len)  # the largest prefill one step runs
         peak = profile_activation_peak(model, cfg, profile_tokens, min(s.max_num_seqs, profile_tokens), s.block_size,
                                        self.device, self.activation_dtype)
@@ -113,7 +113,7 @@ class LLMEngine:
         sampler = Sampler(s.seed, self.device, argmax=policy.cpu.argmax if policy.cpu is not None else None)
         self.runner = ModelRunner(model, self.kv, self.device, self.activation_dtype, sampler, self.compile_mode,
                                   s.compile_fullgraph, graph_decode=graph_decode, max_num_seqs=s.max_num_seqs,
-                                  max_model_len=self.max_model_len)
+                                  max_model_len=self.max_model_len, huge_pages=s.cpu_huge_pages)
         floor = s.memory_release_min_free_mib if s.memory_release_min_free_mib >= 0 else s.min_free_memory_mib
         self.memory = MemoryReleaser(
             self.kv, self.runner.kv_caches, self.prompt_cache, self.device, s.kv_release_chunk_blocks,

@@ -12,6 +12,7 @@ import torch
 
 from anna.core.request import Request
 from anna.model.attention import AttentionMetadata, build_metadata, kv_cache_shape, read_slots, write_slots
+from anna.model.host_memory import huge_page_zeros
 from anna.model.linear import profiled
 from anna.model.llama import LlamaForCausalLM
 from anna.runtime.compilation import CompiledForward, first_line
@@ -42,9 +43,11 @@ class ModelInputs:
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, kv: KVCacheManager, device: torch.device, kv_dtype: torch.dtype,
                  sampler: Sampler, compile_mode: str = "none", compile_fullgraph: bool = False,
-                 graph_decode: bool = False, max_num_seqs: int = 1, max_model_len: int = 1) -> None:
+                 graph_decode: bool = False, max_num_seqs: int = 1, max_model_len: int = 1,
+                 huge_pages: bool = False) -> None:
         """``graph_decode``: decode-only steps go through a GraphDecoder (captured CUDA graphs on
-        CUDA; elsewhere its padded shapes run eagerly), which needs one spare KV block."""
+        CUDA; elsewhere its padded shapes run eagerly), which needs one spare KV block.
+        ``huge_pages``: on CPU, the KV cache lives on transparent huge pages (host_memory.py)."""
         self.model = model
         self.model_forward = model.forward if compile_mode == "none" else \
             CompiledForward(model.forward, compile_mode, compile_fullgraph)
@@ -54,10 +57,13 @@ class ModelRunner:
         cfg = model.config
         blocks = kv.num_blocks + (1 if graph_decode else 0)
         shape = kv_cache_shape(blocks, kv.block_size, cfg.num_key_value_heads, cfg.head_dim)
-        # torch.empty: on CPU untouched pages cost no RAM until a block is first written.
-        self.kv_caches = [(torch.empty(shape, dtype=kv_dtype, device=device),
-                           torch.empty(shape, dtype=kv_dtype, device=device))
-                          for _ in range(cfg.num_hidden_layers)]
+        # On CPU untouched pages cost no RAM until a block is first written (torch.empty or mmap).
+        def new_cache() -> torch.Tensor:
+            if huge_pages and device.type == "cpu":
+                return huge_page_zeros(shape, kv_dtype)
+            return torch.empty(shape, dtype=kv_dtype, device=device)
+
+        self.kv_caches = [(new_cache(), new_cache()) for _ in range(cfg.num_hidden_layers)]
         self.graphs = GraphDecoder(model.forward, self.kv_caches, pad_block=kv.num_blocks, block_size=kv.block_size,
                                    max_num_seqs=max_num_seqs, max_model_len=max_model_len, device=device,
                                    capture=device.type == "cuda") if graph_decode else None

@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 from anna.model.config import ModelConfig, ModelLoadError
 from anna.weights import int4_cache as int4_cache_mod
+from anna.model.host_memory import move_to_huge_pages
 from anna.model.linear import KernelPolicy
 from anna.model.llama import LlamaForCausalLM
 
@@ -75,7 +76,8 @@ class Int4CacheOptions:
 def load_model(model_dir: str | Path, cfg: ModelConfig, *, dtype: torch.dtype, device: torch.device,
                max_positions: int, pipeline_workers: int = 2, policy: KernelPolicy | None = None,
                activation_dtype: torch.dtype | None = None, show_progress: bool = True,
-               int4_cache: Int4CacheOptions | None = None) -> LlamaForCausalLM:
+               int4_cache: Int4CacheOptions | None = None, huge_pages: bool = False) -> LlamaForCausalLM:
+    """``huge_pages``: on CPU, move the loaded weights onto transparent huge pages (host_memory.py)."""
     model_dir = Path(model_dir)
     files = checkpoint_files(model_dir)
     start = time.perf_counter()
@@ -93,7 +95,7 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, *, dtype: torch.dtype, d
             model.load_state_dict(state, strict=True)
             model.interleave_for_cpu_kernels(converted=True)
             log.info("Loaded the int4 layout from %s in %.2f s", entry, time.perf_counter() - start)
-            return model
+            return _finish(model, device, huge_pages)
     needed = set(model.checkpoint_targets())
     loaded: set[str] = set()
     workers = max(1, pipeline_workers)
@@ -124,4 +126,11 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, *, dtype: torch.dtype, d
             log.info("Saved the int4 layout cache to %s", entry)
         except OSError as exc:
             log.warning("Could not write the int4 layout cache to %s (%s)", entry, exc)
+    return _finish(model, device, huge_pages)
+
+
+def _finish(model: LlamaForCausalLM, device: torch.device, huge_pages: bool) -> LlamaForCausalLM:
+    if huge_pages and device.type == "cpu":
+        moved = move_to_huge_pages(model)
+        log.info("Weights on huge pages: %.1f MiB", moved / 2**20)
     return model
