@@ -132,5 +132,6 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, *, dtype: torch.dtype, d
 def _finish(model: LlamaForCausalLM, device: torch.device, huge_pages: bool) -> LlamaForCausalLM:
     if huge_pages and device.type == "cpu":
         moved = move_to_huge_pages(model)
-        log.info("Weights on huge pages: %.1f MiB", moved / 2**20)
+        if moved:
+            log.info("Weights on huge pages: %.1f MiB", moved / 2**20)
     return model
