@@ -20,13 +20,14 @@ from torch import nn
 log = logging.getLogger(__name__)
 
 HUGE_PAGE = 2 << 20
+SUPPORTED = hasattr(mmap, "MADV_HUGEPAGE")  # Linux
 
 
 def huge_page_zeros(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
     """A zero-filled CPU tensor in an anonymous mapping aligned to 2 MB and advised for huge
     pages. Like torch.empty on CPU, its pages cost memory only once written."""
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    if nbytes < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes < HUGE_PAGE or not SUPPORTED:
         return torch.zeros(shape, dtype=dtype)
     span = -(-nbytes // HUGE_PAGE) * HUGE_PAGE
     # private: a shared anonymous mapping is shmem, which transparent huge pages leave alone;
@@ -46,6 +47,8 @@ def move_to_huge_pages(module: nn.Module) -> int:
     (a tensor shared by two modules, as a tied embedding, moves once). Returns the bytes moved.
     Call it before anything keeps raw pointers to the tensors."""
     moved = 0
+    if not SUPPORTED:
+        return moved
     seen: set[int] = set()
     for t in [*module.parameters(), *module.buffers()]:
         nbytes = t.numel() * t.element_size()
@@ -53,8 +56,6 @@ def move_to_huge_pages(module: nn.Module) -> int:
             continue
         seen.add(id(t))
         copy = huge_page_zeros(t.shape, t.dtype)
-        if copy.data_ptr() % HUGE_PAGE:  # no huge-page mapping here: keep the tensor as it is
-            continue
         copy.copy_(t)
         t.data = copy
         moved += nbytes
