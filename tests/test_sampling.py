@@ -142,6 +142,12 @@ def test_invalid_sampling_params_name_the_field(kwargs, field):
 def test_request_errors_name_the_field(llm):
     with pytest.raises(ValueError, match="^max_tokens:.*more than max_model_len=512"):
         gen(llm, [PROMPT], SamplingParams(max_tokens=500))
+    for length in (512, 700):  # no room left for a token, whether or not max_tokens is given
+        for params in (SamplingParams(), SamplingParams(max_tokens=1)):
+            with pytest.raises(ValueError, match=f"^prompt: the prompt has {length} tokens;.*at most 511"):
+                gen(llm, [[5] * length], params)
+    with pytest.raises(ValueError, match="^logit_bias: token id 900 is outside"):
+        gen(llm, [PROMPT], SamplingParams(logit_bias={5: 1.0, 900: 2.0}))
     with pytest.raises(ValueError, match="^prompt: token id 900"):
         gen(llm, [[1, 2, 900]], SamplingParams())
     with pytest.raises(ValueError, match="^prompt: must not be empty"):

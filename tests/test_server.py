@@ -203,6 +203,14 @@ def test_prompt_too_long_message_gives_the_numbers(server):
                                                      "max_tokens": 200}, headers=auth())
     assert r.status_code == 400
     assert "400 tokens" in r.json()["error"]["message"] and "max_model_len=512" in r.json()["error"]["message"]
+    for body in ({"prompt": [5] * 600}, {"prompt": "hi " * 600}, {"prompt": [5] * 512, "max_tokens": 1}):
+        r = httpx.post(server + "/v1/completions", json={"model": MODEL, **body}, headers=auth())
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == "prompt" and "max_model_len=512" in err["message"], err
+    r = httpx.post(server + "/v1/chat/completions", json={"model": MODEL, "messages": [
+        {"role": "user", "content": "hi " * 600}]}, headers=auth())
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
 
 
 def test_invalid_json_unknown_model_and_bad_token_ids(server):
@@ -213,6 +221,9 @@ def test_invalid_json_unknown_model_and_bad_token_ids(server):
     assert r.status_code == 404 and r.json()["error"]["param"] == "model"
     r = httpx.post(server + "/v1/completions", json={"model": MODEL, "prompt": [1, 2, 99999]}, headers=auth())
     assert r.status_code == 400 and "outside the vocabulary" in r.json()["error"]["message"]
+    r = httpx.post(server + "/v1/completions", json={"model": MODEL, "prompt": "x", "logit_bias": {"99999": 5}},
+                   headers=auth())
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias", r.text
     r = httpx.post(server + "/v1/completions", json={"model": MODEL, "prompt": []}, headers=auth())
     assert r.status_code == 400
     wait_idle(server)

@@ -167,12 +167,21 @@ class LLMEngine:
             raise ValueError(f"prompt: token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
         return None, list(prompt)
 
-    def check_fits(self, num_prompt_tokens: int, params: SamplingParams) -> int:
-        """Validate the lengths of a request; return its effective max_tokens. (The KV plan guarantees
-        that the pool holds at least one max_model_len sequence, so a request that passes always fits.)"""
+    def check_request(self, num_prompt_tokens: int, params: SamplingParams) -> int:
+        """Check what SamplingParams cannot check alone (lengths against max_model_len, token ids
+        against the vocabulary); return the effective max_tokens. (The KV plan guarantees that the
+        pool holds at least one max_model_len sequence, so a request that passes always fits.)"""
+        vocab = self.model_config.vocab_size
+        outside = [t for t in params.logit_bias or {} if not 0 <= t < vocab]
+        if outside:
+            raise ValueError(f"logit_bias: token id {outside[0]} is outside the vocabulary (0..{vocab - 1})")
         if num_prompt_tokens == 0:
             raise ValueError("prompt: must not be empty")
         room = self.max_model_len - num_prompt_tokens
+        if room < 1:
+            raise ValueError(
+                f"prompt: the prompt has {num_prompt_tokens} tokens; with max_model_len={self.max_model_len} "
+                f"it may have at most {self.max_model_len - 1}, to leave room for one generated token")
         max_tokens = params.max_tokens if params.max_tokens is not None else room
         if num_prompt_tokens + max_tokens > self.max_model_len:
             raise ValueError(
@@ -190,7 +199,7 @@ class LLMEngine:
         if request_id in self.groups:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         text, ids = self.encode_prompt(prompt)
-        max_tokens = self.check_fits(len(ids), params)
+        max_tokens = self.check_request(len(ids), params)
         spec = params.structured_outputs
         if spec is not None:
             self.structured.compile(spec)  # invalid constraints fail here, before anything is allocated

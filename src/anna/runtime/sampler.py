@@ -111,8 +111,8 @@ def _apply_penalties_and_bias(row: torch.Tensor, req: Request) -> None:
     p = req.sampling_params
     device = row.device
     if p.logit_bias:
-        ids = torch.tensor([t for t in p.logit_bias if 0 <= t < row.shape[0]], dtype=torch.long, device=device)
-        vals = torch.tensor([p.logit_bias[t] for t in p.logit_bias if 0 <= t < row.shape[0]], device=device)
+        ids = torch.tensor(list(p.logit_bias), dtype=torch.long, device=device)
+        vals = torch.tensor(list(p.logit_bias.values()), device=device)
         row.index_add_(0, ids, vals.to(row.dtype))
     if p.repetition_penalty != 1.0:
         seen = torch.tensor(sorted(set(req.all_token_ids)), dtype=torch.long, device=device)

@@ -98,7 +98,7 @@ def build_sampling_params(state: ServerState, req: SamplingFields, num_prompt_to
             include_stop_str_in_output=req.include_stop_str_in_output,
             skip_special_tokens=req.skip_special_tokens, logit_bias=logit_bias or None,
             structured_outputs=structured, output_kind="cumulative" if req.stream else "final_only")
-        state.core.check_fits(num_prompt_tokens, params)
+        state.core.check_request(num_prompt_tokens, params)
     except ValueError as exc:
         raise APIError(400, str(exc), param=str(exc).split(":", 1)[0]) from None
     return params
