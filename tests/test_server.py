@@ -183,6 +183,9 @@ def test_tools_round_trip_reaches_the_prompt(client, server):
     ({"messages": []}, "messages"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      "messages[0].content"),
+    ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": "x"}], "logit_bias": {"99999": 1}}, "logit_bias"),
     ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}, "tool_choice"),
     ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 600}, "max_tokens"),
     ({"messages": [{"role": "user", "content": "x"}], "seed": 2**70}, "seed"),
@@ -211,6 +214,16 @@ def test_prompt_too_long_message_gives_the_numbers(server):
     r = httpx.post(server + "/v1/chat/completions", json={"model": MODEL, "messages": [
         {"role": "user", "content": "hi " * 600}]}, headers=auth())
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+
+
+def test_unknown_routes_and_methods_answer_in_openai_error_shape(server):
+    for method, path, status in (("GET", "/v1/nothing", 404), ("GET", "/v1/completions", 405),
+                                 ("DELETE", "/v1/models", 405)):
+        r = httpx.request(method, server + path, headers=auth())
+        assert r.status_code == status, (path, r.text)
+        err = r.json()["error"]
+        assert err["message"] and err["type"] == ("not_found_error" if status == 404 else "invalid_request_error")
+    assert "GET" in httpx.delete(server + "/v1/models", headers=auth()).headers["allow"]
 
 
 def test_invalid_json_unknown_model_and_bad_token_ids(server):

@@ -15,6 +15,7 @@ from typing import Any, AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from anna.core.config import ResolvedSettings
 from anna.core.outputs import CompletionOutput, RequestOutput
@@ -100,7 +101,7 @@ def build_sampling_params(state: ServerState, req: SamplingFields, num_prompt_to
             structured_outputs=structured, output_kind="cumulative" if req.stream else "final_only")
         state.core.check_request(num_prompt_tokens, params)
     except ValueError as exc:
-        raise APIError(400, str(exc), param=str(exc).split(":", 1)[0]) from None
+        raise invalid_request(exc) from None
     return params
 
 
@@ -131,9 +132,16 @@ async def run_until_done(request: Request, work: Any) -> Any:
 
 async def final_output(gen: AsyncIterator[RequestOutput]) -> RequestOutput:
     last = None
-    async for out in gen:
-        last = out
+    try:
+        async for out in gen:
+            last = out
+    except ValueError as exc:  # the engine refused the request (its errors start with the field's name)
+        raise invalid_request(exc) from None
     return last
+
+
+def invalid_request(exc: ValueError) -> APIError:
+    return APIError(400, str(exc), param=str(exc).split(":", 1)[0])
 
 
 def sse(data: Any) -> str:
@@ -258,6 +266,12 @@ def create_app(settings: ResolvedSettings, *, load_in_background: bool = True) -
     @app.exception_handler(APIError)
     async def api_error(_: Request, exc: APIError) -> JSONResponse:
         return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        """Unknown routes and methods answer in OpenAI's error shape too, not FastAPI's {"detail": ...}."""
+        return JSONResponse(APIError(exc.status_code, str(exc.detail)).body(), status_code=exc.status_code,
+                            headers=exc.headers)
 
     @app.exception_handler(EngineDeadError)
     async def engine_dead(_: Request, exc: EngineDeadError) -> JSONResponse:

@@ -19,7 +19,10 @@ def _content_text(content: str | list[dict[str, Any]] | None, index: int) -> str
     for part in content:
         kind = part.get("type")
         if kind in ("text", "input_text"):
-            texts.append(str(part.get("text", "")))
+            if not isinstance(part.get("text"), str):
+                raise APIError(400, f"messages[{index}].content: a '{kind}' part needs a string 'text'",
+                               param=f"messages[{index}].content")
+            texts.append(part["text"])
         elif kind in NON_TEXT_PARTS:
             raise APIError(400, f"messages[{index}].content: '{kind}' parts are not supported: this model takes "
                                 "text only", param=f"messages[{index}].content")

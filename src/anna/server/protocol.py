@@ -15,8 +15,9 @@ class APIError(Exception):
                  code: str | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param = status, message, param
-        self.type = type_ or {400: "invalid_request_error", 401: "authentication_error",
-                              404: "not_found_error", 503: "service_unavailable"}.get(status, "server_error")
+        self.type = type_ or {401: "authentication_error", 404: "not_found_error",
+                              503: "service_unavailable"}.get(status, "invalid_request_error" if status < 500
+                                                                      else "server_error")
         self.code = code
 
     def body(self) -> dict[str, Any]:
