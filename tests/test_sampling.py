@@ -154,6 +154,12 @@ def test_request_errors_name_the_field(llm):
         gen(llm, [[]], SamplingParams())
     with pytest.raises(ValueError, match="^sampling_params:"):
         gen(llm, [PROMPT, PROMPT], [SamplingParams()])
+    for prompts in (None, 5):
+        with pytest.raises(ValueError, match="^prompts: must be"):
+            llm.generate(prompts, SamplingParams(max_tokens=1), use_tqdm=False)
+    for messages in ("hi", [], ["hi"], [[{"role": "user", "content": "x"}], "hi"]):
+        with pytest.raises(ValueError, match="^messages: must be"):
+            llm.chat(messages, SamplingParams(max_tokens=1), use_tqdm=False)
     assert llm.llm_engine.kv.num_free_blocks == llm.llm_engine.kv.num_blocks
     assert not llm.llm_engine.has_unfinished_requests()
 
@@ -174,6 +180,11 @@ def test_chat_uses_the_template(llm):
     expected = tok.encode("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
                           "<|im_start|>assistant\n", add_special_tokens=False)
     assert out.prompt_token_ids == expected
+    other = [{"role": "user", "content": "Bye"}]
+    both = llm.chat([msgs, other], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
+    assert both[0].prompt_token_ids == expected and both[0].outputs[0].token_ids == out.outputs[0].token_ids
+    alone = llm.chat(other, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)[0]
+    assert both[1].prompt_token_ids == alone.prompt_token_ids != expected
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "llama3"])

@@ -51,6 +51,9 @@ class LLM:
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
                                                  and isinstance(prompts[0], int)):
             prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)):
+            raise ValueError("prompts: must be a string, token ids, a dict with 'prompt' or 'prompt_token_ids', "
+                             f"or a list of those (got {type(prompts).__name__})")
         prompts = list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -89,6 +92,9 @@ class LLM:
              chat_template_kwargs: dict[str, Any] | None = None,
              tools: list[dict[str, Any]] | None = None) -> list[RequestOutput]:
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        if not all(isinstance(conv, list) and conv and all(isinstance(m, dict) for m in conv) for conv in conversations):
+            raise ValueError("messages: must be a list of message dicts ({'role': ..., 'content': ...}), "
+                             "or a list of such lists")
         tok = self.llm_engine.tokenizer
         prompts = []
         for conv in conversations:
