@@ -21,10 +21,10 @@ def sample_value(f: dataclasses.Field):
         default = SCHEDULER_PROFILES["throughput"][f.name]
     if isinstance(default, bool):
         return not default
-    if isinstance(default, int):
-        return default + 3
-    if isinstance(default, float):
-        return default + 0.5
+    step = 3 if isinstance(default, int) else 0.5 if isinstance(default, float) else None
+    if step is not None:
+        maximum = f.metadata["maximum"]
+        return default + step if maximum is None or default + step <= maximum else default - step
     return "x-" + str(default)
 
 
@@ -64,7 +64,12 @@ def test_profile_fills_unset_fields_and_explicit_wins():
     ({"ANNA_MAX_NUM_SEQS": "lots"}, "max_num_seqs: 'lots' from ANNA_MAX_NUM_SEQS is not a valid int"),
     ({"ANNA_ENABLE_PREFIX_CACHING": "maybe"}, "enable_prefix_caching: 'maybe'"),
     ({"ANNA_DTYPE": "int3"}, "dtype: 'int3' from ANNA_DTYPE is not one of"),
-    ({"ANNA_BLOCK_SIZE": "-4"}, "block_size: -4 from ANNA_BLOCK_SIZE must be >= 0"),
+    ({"ANNA_BLOCK_SIZE": "0"}, "block_size: 0 from ANNA_BLOCK_SIZE must be >= 1"),
+    ({"ANNA_MAX_NUM_SEQS": "0"}, "max_num_seqs: 0 from ANNA_MAX_NUM_SEQS must be >= 1"),
+    ({"ANNA_MAX_NUM_BATCHED_TOKENS": "0"}, "max_num_batched_tokens: 0 from ANNA_MAX_NUM_BATCHED_TOKENS must be >= 1"),
+    ({"ANNA_MEMORY_UTILIZATION": "1.5"}, "memory_utilization: 1.5 from ANNA_MEMORY_UTILIZATION must be <= 1"),
+    ({"ANNA_PORT": "99999"}, "port: 99999 from ANNA_PORT must be <= 65535"),
+    ({"ANNA_PREFILL_INTERVAL_STEPS": "-1"}, "prefill_interval_steps: -1 from ANNA_PREFILL_INTERVAL_STEPS must be >= 0"),
 ])
 def test_bad_env_values_name_the_field_and_variable(env, message):
     with pytest.raises(ValueError) as exc:

@@ -37,10 +37,10 @@ SCHEDULER_PROFILES: dict[str, dict[str, Any]] = {
 
 
 def _setting(default: Any, help: str, *, choices: tuple | None = None, env: str | None = None,
-             cli: bool = True, minimum: float = 0) -> Any:
+             cli: bool = True, minimum: float = 0, maximum: float | None = None) -> Any:
     """A ServeSettings field: unset (None) until resolved; ``default`` is the built-in value."""
     return field(default=None, metadata={"default": default, "help": help, "choices": choices,
-                                         "env": env, "cli": cli, "minimum": minimum})
+                                         "env": env, "cli": cli, "minimum": minimum, "maximum": maximum})
 
 
 PROFILE = object()  # marker: the built-in default comes from the scheduler profile
@@ -61,7 +61,7 @@ class ServeSettings:
     seed: int | None = _setting(0, "Seed of the sampler for requests that give no seed of their own.")
     cache_dir: str | None = _setting("~/.cache/anna", "Where Anna keeps the demo model and other caches.")
     memory_utilization: float | None = _setting(
-        0.9, "Fraction of GPU memory Anna may use (weights, activations and KV cache).")
+        0.9, "Fraction of GPU memory Anna may use (weights, activations and KV cache).", maximum=1)
     max_model_len: int | None = _setting(0, "Longest sequence (prompt + output); 0 = the model's max_position_embeddings.")
     weight_load_pipeline_workers: int | None = _setting(
         2, "Background threads that pre-read the next checkpoint shards while the current one is copied.")
@@ -89,7 +89,7 @@ class ServeSettings:
         True, "On CPU, keep the weights and the KV cache on transparent huge pages (Linux): fewer TLB misses.")
 
     # KV cache
-    block_size: int | None = _setting(16, "Tokens per KV cache block.")
+    block_size: int | None = _setting(16, "Tokens per KV cache block.", minimum=1)
     kv_cache_memory: float | None = _setting(
         0.0, "KV cache budget in GiB; 0 = automatic (a fraction of free device memory, on CPU of available RAM).")
     num_gpu_blocks_override: int | None = _setting(0, "Exact number of KV blocks (overrides the memory budget); 0 = off.")
@@ -111,8 +111,9 @@ class ServeSettings:
             "else no limit), 0 = no limit.", minimum=-1)
 
     # Scheduler
-    max_num_seqs: int | None = _setting(64, "Most requests running in one step.")
-    max_num_batched_tokens: int | None = _setting(2048, "Token budget of one step (prefill chunks + decodes).")
+    max_num_seqs: int | None = _setting(64, "Most requests running in one step.", minimum=1)
+    max_num_batched_tokens: int | None = _setting(2048, "Token budget of one step (prefill chunks + decodes).",
+                                                  minimum=1)
     scheduler_profile: str | None = _setting("throughput", "Named set of scheduler defaults.",
                                              choices=tuple(SCHEDULER_PROFILES))
     prefill_interval_steps: int | None = _setting(PROFILE, "Decode steps that may pass before waiting prefills are admitted.")
@@ -159,9 +160,9 @@ class ServeSettings:
 
     # Server
     host: str | None = _setting("127.0.0.1", "Address the HTTP server listens on.")
-    port: int | None = _setting(8000, "Port the HTTP server listens on.")
+    port: int | None = _setting(8000, "Port the HTTP server listens on.", maximum=65535)
     api_key: str | None = _setting("", "If set, every route but /health needs 'Authorization: Bearer KEY'.")
-    max_n: int | None = _setting(8, "Most parallel samples (n) one request may ask for.")
+    max_n: int | None = _setting(8, "Most parallel samples (n) one request may ask for.", minimum=1)
     tool_call_parser: str | None = _setting("hermes", "How tool calls are read from model output.",
                                             choices=("hermes", "none"))
     reasoning_parser: str | None = _setting(
@@ -242,8 +243,10 @@ def parse_value(f: dataclasses.Field, raw: Any, origin: str) -> Any:
     choices = f.metadata.get("choices")
     if choices and value not in choices:
         raise ValueError(f"{f.name}: {value!r} from {origin} is not one of {', '.join(map(str, choices))}")
-    if typ in (int, float) and value < f.metadata.get("minimum", 0):
-        raise ValueError(f"{f.name}: {value!r} from {origin} must be >= {f.metadata.get('minimum', 0)}")
+    if typ in (int, float) and value < f.metadata["minimum"]:
+        raise ValueError(f"{f.name}: {value!r} from {origin} must be >= {f.metadata['minimum']}")
+    if typ in (int, float) and f.metadata["maximum"] is not None and value > f.metadata["maximum"]:
+        raise ValueError(f"{f.name}: {value!r} from {origin} must be <= {f.metadata['maximum']}")
     return value
 
 
