@@ -59,6 +59,11 @@ class ServeSettings:
     device: str | None = _setting("auto", "Device to run on; auto picks cuda, then xpu, then cpu.",
                                   choices=("auto", "cpu", "cuda", "xpu"))
     seed: int | None = _setting(0, "Seed of the sampler for requests that give no seed of their own.")
+    generation_config: str | None = _setting(
+        "auto", "Default sampling parameters of requests that leave them out: auto = the model's "
+                "generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty; max_new_tokens caps "
+                "max_tokens on the server), none = Anna's (temperature 1, no top-p/top-k), or a folder holding a "
+                "generation_config.json.")
     cache_dir: str | None = _setting("~/.cache/anna", "Where Anna keeps the demo model and other caches.")
     memory_utilization: float | None = _setting(
         0.9, "Fraction of GPU memory Anna may use (weights, activations and KV cache).", maximum=1)

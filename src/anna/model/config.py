@@ -65,6 +65,22 @@ def _as_id_list(value: Any) -> list[int]:
     return [int(v) for v in value]
 
 
+# generation_config.json keys that become default sampling parameters (as in vLLM), by SamplingParams name.
+GENERATION_DEFAULT_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                           "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+
+
+def load_generation_defaults(folder: str | Path) -> dict[str, Any]:
+    """The model author's recommended sampling parameters from ``folder/generation_config.json``
+    (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens as max_tokens); an
+    empty dict if the file has none of them or does not exist."""
+    path = Path(folder) / "generation_config.json"
+    if not path.exists():
+        return {}
+    gen = _read_json(path)
+    return {name: gen[key] for key, name in GENERATION_DEFAULT_KEYS.items() if gen.get(key) is not None}
+
+
 def load_model_config(model_dir: str | Path) -> ModelConfig:
     """Read config.json (and generation_config.json for EOS ids) from a model directory."""
     from anna.model.registry import ARCHITECTURES  # the registry says which features each family has

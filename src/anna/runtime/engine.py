@@ -10,6 +10,8 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -17,7 +19,7 @@ from anna.core.config import ResolvedSettings, ServeSettings
 from anna.core.outputs import CompletionOutput, Logprob, RequestOutput
 from anna.core.request import PENDING_TOKEN, Request, RequestStatus
 from anna.core.sampling_params import SamplingParams
-from anna.model.config import load_model_config
+from anna.model.config import load_generation_defaults, load_model_config
 from anna.model.cpu_kernels import build_cpu_kernels
 from anna.model.linear import KernelPolicy
 from anna.runtime.compilation import resolve_compile_mode, resolve_decode_executor, use_inductor_cache_dir
@@ -78,6 +80,7 @@ class LLMEngine:
             raise ValueError(f"max_model_len: {self.max_model_len} exceeds the model's max_position_embeddings "
                              f"({cfg.max_position_embeddings})")
         log.info("Resolved settings:\n%s", s.table())
+        self.sampling_defaults = self._sampling_defaults()
         self.profiler = RuntimeProfiler(self.device) if s.profile_runtime else None
         policy = self._kernel_policy()
         model = load_model(self.model_dir, cfg, dtype=self.dtype, device=self.device,
@@ -142,6 +145,28 @@ class LLMEngine:
                             int4_matmul=s.int4_matmul, int4_gemv_m_threshold=s.int4_gemv_m_threshold,
                             profiler=self.profiler,
                             fused_decode=self.decode_executor == "graph" and self.device.type == "cpu")
+
+    def _sampling_defaults(self) -> dict[str, Any]:
+        """The sampling parameters a request gets for the fields it leaves out, as vLLM takes them
+        from the model's generation_config.json (see the generation_config setting)."""
+        where = self.settings.generation_config
+        if where == "none":
+            return {}
+        folder = self.model_dir if where == "auto" else where
+        if where != "auto" and not Path(folder, "generation_config.json").is_file():
+            raise ValueError(f"generation_config: {folder} holds no generation_config.json")
+        defaults = load_generation_defaults(folder)
+        try:
+            SamplingParams(**defaults)
+        except ValueError as exc:
+            raise ValueError(f"generation_config: {folder}/generation_config.json: {exc}") from None
+        if defaults:
+            log.info("Default sampling parameters from %s/generation_config.json: %s (generation_config=none: "
+                     "Anna's own)", folder, ", ".join(f"{k}={v}" for k, v in defaults.items()))
+        return defaults
+
+    def default_sampling_params(self) -> SamplingParams:
+        return SamplingParams(**self.sampling_defaults)
 
     def _prompt_cache(self) -> PromptCache:
         """Resolve the exact prompt cache's auto values. Anna's KV layout is paged, so by default

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import json
 import logging
@@ -77,6 +78,9 @@ def check_model(state: ServerState, name: str | None) -> None:
                        param="model", code="model_not_found")
 
 
+SAMPLING_DEFAULTS = {f.name: f.default for f in dataclasses.fields(SamplingParams)}
+
+
 def build_sampling_params(state: ServerState, req: SamplingFields, num_prompt_tokens: int,
                           max_tokens: int | None, logprobs: int | None,
                           structured: StructuredOutputsParams | None = None) -> SamplingParams:
@@ -87,15 +91,22 @@ def build_sampling_params(state: ServerState, req: SamplingFields, num_prompt_to
         logit_bias = {int(k): v for k, v in (req.logit_bias or {}).items()}
     except ValueError:
         raise APIError(400, "logit_bias: keys must be token ids", param="logit_bias") from None
+    defaults = state.core.sampling_defaults  # the model's generation_config, for the fields a request leaves out
+    cap = defaults.get("max_tokens")  # max_new_tokens: a limit for every request, as in vLLM
+    if cap is not None:
+        room = max(state.core.max_model_len - num_prompt_tokens, 1)
+        max_tokens = min(cap, room) if max_tokens is None else min(max_tokens, cap)
+
+    def pick(name: str) -> Any:
+        value = getattr(req, name)
+        return value if value is not None else defaults.get(name, SAMPLING_DEFAULTS[name])
+
     try:
         params = SamplingParams(
-            n=req.n, temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0,
-            min_p=req.min_p or 0.0, presence_penalty=req.presence_penalty or 0.0,
-            frequency_penalty=req.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-            seed=req.seed, stop=req.stop, stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
-            max_tokens=max_tokens, min_tokens=req.min_tokens, logprobs=logprobs,
+            n=req.n, temperature=pick("temperature"), top_p=pick("top_p"), top_k=pick("top_k"), min_p=pick("min_p"),
+            presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
+            repetition_penalty=pick("repetition_penalty"), seed=req.seed, stop=req.stop,
+            stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, max_tokens=max_tokens, min_tokens=req.min_tokens, logprobs=logprobs,
             include_stop_str_in_output=req.include_stop_str_in_output,
             skip_special_tokens=req.skip_special_tokens, logit_bias=logit_bias or None,
             structured_outputs=structured, output_kind="cumulative" if req.stream else "final_only")
