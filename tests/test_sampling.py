@@ -187,6 +187,39 @@ def test_chat_uses_the_template(llm):
     assert both[1].prompt_token_ids == alone.prompt_token_ids != expected
 
 
+def test_chat_template_setting_replaces_the_tokenizers(qwen2_dir, cache_dir, tmp_path):
+    import asyncio
+
+    import httpx
+
+    from anna.server.app import create_app
+    from conftest import engine_settings
+
+    template = ("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+                "{% if add_generation_prompt %}[assistant] {% endif %}")
+    (tmp_path / "t.jinja").write_text(template)
+    messages = [{"role": "user", "content": "Hi"}]
+    for value in (str(tmp_path / "t.jinja"), template):
+        llm = LLM(str(qwen2_dir), chat_template=value, dtype="float32", device="cpu", cache_dir=str(cache_dir),
+                  max_model_len=512, num_gpu_blocks_override=32)
+        out = llm.chat(messages, SamplingParams(max_tokens=1), use_tqdm=False)[0]
+        expected = llm.get_tokenizer().encode("[user] Hi\n[assistant] ", add_special_tokens=False)
+        assert out.prompt_token_ids == expected
+    app = create_app(engine_settings(qwen2_dir, cache_dir, chat_template=template, inference_warmup=False),
+                     load_in_background=False)
+
+    async def tokenize():
+        async with app.router.lifespan_context(app):
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+                return (await client.post("/tokenize", json={"messages": messages})).json()
+
+    assert asyncio.run(tokenize())["tokens"] == expected
+    for value, message in (("nope.jinja", "is neither a file nor a Jinja template"),
+                           ("{% for %}", "chat template does not compile")):
+        with pytest.raises(ValueError, match=f"^chat_template: .*{message}"):
+            LLM(str(qwen2_dir), chat_template=value, dtype="float32", device="cpu", cache_dir=str(cache_dir))
+
+
 @pytest.mark.parametrize("arch", ["qwen2", "llama3"])
 def test_bfloat16_logits_close_to_transformers(arch, hf_models, cache_dir):
     """bf16 exercises the CPU matmul routing (prefill upcasts, decode stays bf16)."""

@@ -54,6 +54,8 @@ class ServeSettings:
     model: str | None = _setting(None, "Model directory (Hugging Face layout). Default: the built-in demo model.")
     served_model_name: str | None = _setting(None, "Model name reported by the API (default: the model path).")
     tokenizer: str | None = _setting(None, "Tokenizer directory (default: the model directory).")
+    chat_template: str | None = _setting(
+        "", "Chat template (Jinja), as a file path or inline; empty = the tokenizer's (ChatML if it has none).")
     dtype: str | None = _setting("auto", "Weight and activation dtype; auto = the checkpoint's.",
                                  choices=("auto", "bfloat16", "float16", "float32"))
     device: str | None = _setting("auto", "Device to run on; auto picks cuda, then xpu, then cpu.",

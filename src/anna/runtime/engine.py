@@ -34,6 +34,7 @@ from anna.runtime.prompt_cache import PromptCache
 from anna.runtime.sampler import Sampler
 from anna.runtime.scheduler import Scheduler, SchedulerConfig
 from anna.runtime.structured_output import StructuredOutputCompiler
+from anna.weights.chat_template import load_chat_template
 from anna.weights.demo_model import DEMO_NOTICE, ensure_demo_model
 from anna.weights.loader import Int4CacheOptions, load_model
 from anna.weights.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -72,6 +73,8 @@ class LLMEngine:
             log.warning("No model given: using %s (%s)", self.model_dir, DEMO_NOTICE)
         self.model_config = cfg = load_model_config(self.model_dir)
         self.tokenizer = Tokenizer(s.tokenizer or self.model_dir)
+        if s.chat_template:
+            self.tokenizer.chat_template = load_chat_template(s.chat_template)
         self.device = resolve_device(s.device)
         self.dtype = resolve_dtype(s.dtype, cfg)
         self.activation_dtype = activation_dtype(self.dtype, self.device)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime
 import json
 from functools import lru_cache
+from pathlib import Path
 from typing import Any
 
 import jinja2
@@ -50,6 +51,22 @@ def _compile(template: str) -> jinja2.Template:
         return env.from_string(template)
     except jinja2.TemplateSyntaxError as exc:
         raise ChatTemplateError(f"chat template does not compile: {exc}") from None
+
+
+def load_chat_template(value: str) -> str:
+    """A chat template given as a file path or inline (vLLM's --chat-template); checked to compile."""
+    path = Path(value).expanduser()
+    if path.is_file():
+        template = path.read_text(encoding="utf-8")
+    elif "{{" in value or "{%" in value:
+        template = value
+    else:
+        raise ValueError(f"chat_template: {value!r} is neither a file nor a Jinja template")
+    try:
+        _compile(template)
+    except ChatTemplateError as exc:
+        raise ValueError(f"chat_template: {exc}") from None
+    return template
 
 
 def render_chat(template: str | None, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
