@@ -36,3 +36,18 @@ def test_health_reports_a_failed_load(tmp_path):
     health, models = asyncio.run(go())
     assert health.status_code == 503 and health.json()["status"] == "error"
     assert models.status_code == 503 and "failed to load" in models.json()["error"]["message"]
+
+
+def test_serve_refuses_to_start_when_one_sequence_does_not_fit(qwen2_dir, cache_dir):
+    """`anna serve` exits (code 2) with the largest max_model_len that fits, rather than serving 503s."""
+    import subprocess
+    import sys
+
+    from conftest import free_port
+
+    cmd = [sys.executable, "-m", "anna.cli.main", "serve", str(qwen2_dir), "--port", str(free_port()),
+           "--device", "cpu", "--dtype", "float32", "--max-model-len", "512", "--num-gpu-blocks-override", "4",
+           "--block-size", "16", "--cache-dir", str(cache_dir), "--log-level", "warning"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "anna: error: max_model_len:" in done.stderr and "the largest max_model_len that fits is 64" in done.stderr

@@ -63,9 +63,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
         args.model = args.model_pos
     settings = settings_from_args(args).resolve()
     app = create_app(settings)
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level,
-                timeout_graceful_shutdown=5)
-    return 0
+    server = uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.port,
+                                           log_level=settings.log_level, timeout_graceful_shutdown=5))
+    state = app.state.anna
+    state.on_load_error = lambda: setattr(server, "should_exit", True)  # a model that cannot load: exit
+    server.run()
+    if isinstance(state.load_error, ValueError):
+        raise state.load_error  # main() prints it as one line
+    return 1 if state.load_error is not None else 0
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -11,7 +11,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -40,6 +40,7 @@ class ServerState:
     settings: ResolvedSettings
     engine: AsyncEngine | None = None
     load_error: BaseException | None = None
+    on_load_error: Callable[[], None] | None = None  # `anna serve` stops the server: it refuses to start
     model_name: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -259,8 +260,13 @@ def create_app(settings: ResolvedSettings, *, load_in_background: bool = True) -
             state.engine = AsyncEngine(engine)
             log.info("Ready: serving '%s' on http://%s:%d", state.model_name, settings.host, settings.port)
         except BaseException as exc:  # reported by /health and every route
-            log.exception("model failed to load")
+            if isinstance(exc, ValueError):  # a setting or model file that does not work: the message says which
+                log.error("model failed to load: %s", exc)
+            else:
+                log.exception("model failed to load")
             state.load_error = exc
+            if state.on_load_error is not None:
+                state.on_load_error()
 
     async def lifespan(app: FastAPI):
         if load_in_background:
