@@ -136,3 +136,15 @@ def test_torch_really_injects_the_value_treated_as_unset(tmp_path):
     injected, source = out.stdout.split()
     assert injected  # torch filled the variable in ...
     assert source == "default"  # ... and Anna did not take it for the user's
+
+
+def test_vllm_command_lines_parse(caplog):
+    args = build_parser().parse_args([
+        "serve", "/m", "--gpu-memory-utilization", "0.5", "--trust-remote-code", "--swap-space", "4",
+        "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "-tp", "1", "--max-num-seqs", "32"])
+    with caplog.at_level("INFO"):
+        settings = settings_from_args(args).resolve(env={})
+    assert (settings.memory_utilization, settings.max_num_seqs, settings.model) == (0.5, 32, "/m")
+    assert "--swap-space has no effect in Anna" in caplog.text and "--trust-remote-code" in caplog.text
+    with pytest.raises(ValueError, match="^tensor_parallel_size: .*only 1"):
+        settings_from_args(build_parser().parse_args(["serve", "--tensor-parallel-size", "2"]))

@@ -8,7 +8,7 @@ from typing import Any, Sequence
 
 from tqdm import tqdm
 
-from anna.core.config import ServeSettings
+from anna.core.config import IGNORED_VLLM_ARGS, RENAMED_VLLM_ARGS, ServeSettings, check_tensor_parallel_size
 from anna.core.outputs import RequestOutput
 from anna.core.sampling_params import SamplingParams
 from anna.runtime.engine import LLMEngine
@@ -16,10 +16,6 @@ from anna.weights.chat_template import render_chat
 
 log = logging.getLogger(__name__)
 
-# vLLM keyword arguments that have no effect in Anna, accepted so that vLLM code runs unchanged.
-IGNORED_VLLM_ARGS = {"trust_remote_code", "enforce_eager", "disable_log_stats", "max_seq_len_to_capture",
-                     "swap_space", "tokenizer_mode", "revision", "download_dir", "load_format"}
-RENAMED_VLLM_ARGS = {"gpu_memory_utilization": "memory_utilization"}
 
 Prompt = str | list[int] | dict[str, Any]
 
@@ -31,8 +27,7 @@ class LLM:
         for key, value in kwargs.items():
             key = RENAMED_VLLM_ARGS.get(key, key)
             if key == "tensor_parallel_size":
-                if value != 1:
-                    raise ValueError("tensor_parallel_size: Anna runs on one device; only 1 is supported")
+                check_tensor_parallel_size(value)
             elif key in IGNORED_VLLM_ARGS:
                 log.info("LLM(%s=...) has no effect in Anna", key)
             elif key in names:
@@ -97,7 +92,8 @@ class LLM:
              chat_template_kwargs: dict[str, Any] | None = None,
              tools: list[dict[str, Any]] | None = None) -> list[RequestOutput]:
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
-        if not all(isinstance(conv, list) and conv and all(isinstance(m, dict) for m in conv) for conv in conversations):
+        if not all(isinstance(conv, list) and conv and all(isinstance(m, dict) for m in conv)
+                   for conv in conversations):
             raise ValueError("messages: must be a list of message dicts ({'role': ..., 'content': ...}), "
                              "or a list of such lists")
         tok = self.llm_engine.tokenizer

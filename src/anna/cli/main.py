@@ -8,7 +8,8 @@ import dataclasses
 import logging
 import sys
 
-from anna.core.config import PROFILE, ServeSettings, env_name, field_type, settings_fields
+from anna.core.config import (IGNORED_VLLM_ARGS, PROFILE, RENAMED_VLLM_ARGS, ServeSettings, check_tensor_parallel_size,
+                              env_name, field_type, settings_fields)
 
 
 def add_settings_flags(parser: argparse.ArgumentParser, skip: set[str] = frozenset()) -> None:
@@ -19,16 +20,36 @@ def add_settings_flags(parser: argparse.ArgumentParser, skip: set[str] = frozens
         default = f.metadata["default"]
         shown = "from --scheduler-profile" if default is PROFILE else repr(default)
         help_text = f"{f.metadata['help']} [default: {shown}; env: {env_name(f)}]"
-        flag = "--" + f.name.replace("_", "-")
+        flags = ["--" + name.replace("_", "-") for name in
+                 [f.name] + [old for old, new in RENAMED_VLLM_ARGS.items() if new == f.name]]
         typ = field_type(f)
         if typ is bool:
-            group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+            group.add_argument(*flags, dest=f.name, action=argparse.BooleanOptionalAction, default=None,
+                               help=help_text)
         else:
-            group.add_argument(flag, dest=f.name, type=typ, default=None, choices=f.metadata.get("choices"),
+            group.add_argument(*flags, dest=f.name, type=typ, default=None, choices=f.metadata.get("choices"),
                                help=help_text, metavar=None if f.metadata.get("choices") else f.name.upper())
+    vllm = parser.add_argument_group(
+        "vLLM flags", "Accepted so that vLLM command lines run unchanged: --gpu-memory-utilization (= "
+        "--memory-utilization), and, with no effect in Anna, " +
+        ", ".join("--" + name.replace("_", "-") + (" VALUE" if takes_value else "")
+                  for name, takes_value in IGNORED_VLLM_ARGS.items()) + ".")
+    vllm.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="Only 1: Anna runs on one device.")
+    for name, takes_value in IGNORED_VLLM_ARGS.items():
+        flag = "--" + name.replace("_", "-")
+        if takes_value:
+            vllm.add_argument(flag, dest=f"vllm_{name}", default=None, metavar="VALUE", help=argparse.SUPPRESS)
+        else:
+            vllm.add_argument(flag, dest=f"vllm_{name}", action="store_true", default=None, help=argparse.SUPPRESS)
 
 
 def settings_from_args(args: argparse.Namespace) -> ServeSettings:
+    if getattr(args, "model_pos", None):
+        args.model = args.model_pos
+    check_tensor_parallel_size(getattr(args, "tensor_parallel_size", 1))
+    for name in IGNORED_VLLM_ARGS:
+        if getattr(args, f"vllm_{name}", None) is not None:
+            logging.getLogger(__name__).info("--%s has no effect in Anna", name.replace("_", "-"))
     return ServeSettings(**{f.name: getattr(args, f.name, None) for f in dataclasses.fields(ServeSettings)})
 
 
@@ -36,8 +57,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from anna.core.sampling_params import SamplingParams
     from anna.runtime.engine import LLMEngine
 
-    if args.model_pos:
-        args.model = args.model_pos
     engine = LLMEngine(settings_from_args(args).resolve(), show_progress=not args.quiet)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.sampling_seed, ignore_eos=args.ignore_eos,
@@ -59,8 +78,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from anna.server.app import create_app
 
-    if args.model_pos:
-        args.model = args.model_pos
     settings = settings_from_args(args).resolve()
     app = create_app(settings)
     server = uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.port,

@@ -36,6 +36,20 @@ SCHEDULER_PROFILES: dict[str, dict[str, Any]] = {
 }
 
 
+# vLLM engine arguments that have no effect in Anna, accepted (and logged) so that vLLM code and
+# command lines run unchanged; the value says whether the command-line flag takes a value.
+IGNORED_VLLM_ARGS = {"trust_remote_code": False, "enforce_eager": False, "disable_log_stats": False,
+                     "disable_log_requests": False, "enable_auto_tool_choice": False, "enable_chunked_prefill": False,
+                     "max_seq_len_to_capture": True, "swap_space": True, "tokenizer_mode": True, "revision": True,
+                     "download_dir": True, "load_format": True}
+RENAMED_VLLM_ARGS = {"gpu_memory_utilization": "memory_utilization"}
+
+
+def check_tensor_parallel_size(value: Any) -> None:
+    if value != 1:
+        raise ValueError(f"tensor_parallel_size: Anna runs on one device; only 1 is supported (got {value!r})")
+
+
 def _setting(default: Any, help: str, *, choices: tuple | None = None, env: str | None = None,
              cli: bool = True, minimum: float = 0, maximum: float | None = None) -> Any:
     """A ServeSettings field: unset (None) until resolved; ``default`` is the built-in value."""
