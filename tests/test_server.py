@@ -357,3 +357,37 @@ def test_random_parameter_combinations_never_500_and_leave_the_pool_free(server)
     assert 200 in statuses and 400 in statuses
     wait_idle(server)
     assert httpx.get(server + "/health").status_code == 200
+
+
+def test_echo_with_logprobs_scores_the_prompt_like_transformers(server, hf_models):
+    """What evaluation harnesses send to score a text: echo + logprobs (+ vLLM's prompt_logprobs)."""
+    import json
+
+    import torch
+
+    ids = [(i * 29 + 5) % 700 + 3 for i in range(30)]
+    ref = torch.log_softmax(hf_models["qwen2"][0](torch.tensor([ids])).logits[0].float(), dim=-1)
+    body = {"model": MODEL, "prompt": ids, "max_tokens": 1, "temperature": 0, "echo": True, "logprobs": 2,
+            "prompt_logprobs": 1}
+    r = httpx.post(server + "/v1/completions", json=body, headers=auth())
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    lp = choice["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(ids) + 1
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    for pos in range(1, len(ids)):
+        assert abs(lp["token_logprobs"][pos] - ref[pos - 1, ids[pos]].item()) < 1e-4
+        assert len(lp["top_logprobs"][pos]) <= 2 and max(lp["top_logprobs"][pos].values()) == \
+            pytest.approx(ref[pos - 1].max().item(), abs=1e-4)
+        vllm_entry = choice["prompt_logprobs"][pos][str(ids[pos])]
+        assert vllm_entry["logprob"] == pytest.approx(ref[pos - 1, ids[pos]].item(), abs=1e-4)
+    assert choice["prompt_logprobs"][0] is None and len(choice["prompt_logprobs"]) == len(ids)
+    assert lp["text_offset"] == sorted(lp["text_offset"])
+    with httpx.stream("POST", server + "/v1/completions", json={**body, "stream": True}, headers=auth()) as s:
+        chunks = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+    streamed = {key: [v for c in chunks for v in c["choices"][0]["logprobs"][key]] for key in lp}
+    assert streamed == lp
+    assert chunks[0]["choices"][0]["prompt_logprobs"] == choice["prompt_logprobs"]
+    r = httpx.post(server + "/v1/chat/completions", headers=auth(), json={
+        "model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, "prompt_logprobs": 0})
+    assert len(r.json()["choices"][0]["prompt_logprobs"]) == r.json()["usage"]["prompt_tokens"]

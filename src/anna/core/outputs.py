@@ -35,4 +35,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0
+    # with SamplingParams.prompt_logprobs: per prompt token, its logprob and the top alternatives
+    # given the tokens before it (None for the first token, which has no context)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     metrics: dict[str, float] = field(default_factory=dict)

@@ -44,6 +44,9 @@ class Request:
     register_prefix_blocks: bool = True  # False when the exact prompt cache is responsible for this prompt
     # Per output token: {token id: Logprob} for the top alternatives and the chosen token
     output_logprobs: list[dict] = field(default_factory=list)
+    # With prompt_logprobs: per prompt position, {token id: Logprob} once computed (None for the
+    # first); a recompute after preemption writes the same positions again
+    prompt_logprobs: list[dict | None] = field(default_factory=list)
     grammar: Any = None  # an llguidance matcher when the output is constrained; it tracks the output so far
     # Token sync window: sampled tokens are read back every sync_every steps; until then each is a
     # PENDING_TOKEN in the token lists and (device tensor, row) here, oldest first.
@@ -55,6 +58,8 @@ class Request:
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
+        if self.sampling_params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None] * len(self.prompt_token_ids)
 
     @property
     def num_tokens(self) -> int:

@@ -237,7 +237,8 @@ class LLMEngine:
             child = params
             if params.n > 1 or params.max_tokens != max_tokens:
                 child = SamplingParams(**{**_fields(params), "n": 1, "max_tokens": max_tokens,
-                                          "seed": None if params.seed is None else (params.seed + i) % 2**64})
+                                          "seed": None if params.seed is None else (params.seed + i) % 2**64,
+                                          "prompt_logprobs": params.prompt_logprobs if i == 0 else None})
             req = Request(request_id if params.n == 1 else f"{request_id}#{i}", ids, child, prompt=text,
                           eos_token_ids=self.eos_token_ids, arrival_time=arrival_time or time.monotonic(),
                           grammar=None if spec is None else self.structured.new_matcher(spec), sync_every=sync_every)
@@ -280,7 +281,8 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch:
             return []
-        sampled = self.runner.execute(batch)
+        result = self.runner.execute(batch)
+        sampled = result.sampled
         self.stats.steps.record(batch.step_class, time.perf_counter() - start)
         if self.profiler is not None:
             self.profiler.step_finished(start)
@@ -288,6 +290,10 @@ class LLMEngine:
         to_sync: list[SequenceState] = []
         for req, n in zip(batch.requests, batch.num_new_tokens):
             req.num_computed_tokens += n
+            if req.request_id in result.prompt_logprobs:
+                first, entries = result.prompt_logprobs[req.request_id]
+                for pos, (chosen, top) in enumerate(entries, first):
+                    req.prompt_logprobs[pos] = logprob_entry(req.prompt_token_ids[pos], chosen, top)
             if req.request_id in sampled:
                 if req.num_output_tokens == 0 and self.prompt_cache.covers(req.prompt_token_ids) \
                         and req.prompt_token_ids not in self.prompt_cache:
@@ -360,10 +366,7 @@ class LLMEngine:
         if record:
             self._record_token(req)
         if logprobs is not None:  # shaped once per token, not on every output
-            chosen, top = logprobs
-            entry = {tid: Logprob(lp, rank=r + 1) for r, (tid, lp) in enumerate(top)}
-            entry.setdefault(token, Logprob(chosen))
-            req.output_logprobs.append(entry)
+            req.output_logprobs.append(logprob_entry(token, *logprobs))
         if req.grammar is not None and not req.grammar.consume_token(token):
             log.error("request %s: token %d rejected by its grammar (%s)", req.request_id, token,
                       req.grammar.get_error())
@@ -419,9 +422,19 @@ class LLMEngine:
                 index=i, text=text, token_ids=list(req.output_token_ids), finish_reason=req.finish_reason,
                 stop_reason=req.stop_reason,
                 logprobs=None if req.sampling_params.logprobs is None else list(req.output_logprobs)))
-        first = group.seqs[0].req
+        first = group.seqs[0].req  # the one sequence of a group that computes prompt logprobs
         return RequestOutput(group.request_id, group.prompt, first.prompt_token_ids, outs, group.finished,
-                             num_cached_tokens=max(0, first.num_cached_tokens))
+                             num_cached_tokens=max(0, first.num_cached_tokens),
+                             prompt_logprobs=list(first.prompt_logprobs)
+                             if first.sampling_params.prompt_logprobs is not None else None)
+
+
+def logprob_entry(token: int, chosen: float, top: list[tuple[int, float]]) -> dict[int, Logprob]:
+    """vLLM's shape: the top alternatives by rank (from 1), and the token itself (unranked when
+    it is not among them)."""
+    entry = {tid: Logprob(lp, rank=r + 1) for r, (tid, lp) in enumerate(top)}
+    entry.setdefault(token, Logprob(chosen))
+    return entry
 
 
 def _find_stop(text: str, stops: list[str], new_from: int) -> tuple[int, str] | None:

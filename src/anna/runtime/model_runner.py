@@ -18,7 +18,7 @@ from anna.model.llama import LlamaForCausalLM
 from anna.runtime.compilation import CompiledForward, first_line
 from anna.runtime.cuda_graphs import GraphDecoder
 from anna.runtime.kv_cache import KVCacheManager
-from anna.runtime.sampler import SampleResult, Sampler
+from anna.runtime.sampler import SampleResult, Sampler, token_logprobs
 from anna.runtime.scheduler import ScheduledBatch
 
 log = logging.getLogger(__name__)
@@ -29,6 +29,17 @@ class SampledToken:
     value: int | None  # on the host; None while it stays on the device (the request's sync window)
     logprobs: tuple | None
     ref: tuple[torch.Tensor, int]  # (the step's sampled tokens on the device, row)
+
+
+@dataclass
+class StepResult:
+    sampled: dict[str, SampledToken]  # by request id: the requests that got a new token
+    # by request id: (first prompt position, [(logprob, top alternatives), ...]) for requests with
+    # prompt_logprobs whose prefill chunk ran in this step
+    prompt_logprobs: dict[str, tuple[int, list[tuple[float, list[tuple[int, float]]]]]]
+
+
+PROMPT_LOGPROBS_ROWS = 256  # prompt positions per lm_head call: bounds the [rows, vocab] logits
 
 
 @dataclass
@@ -133,14 +144,39 @@ class ModelRunner:
             write_slots(v_cache, slots, v)
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> dict[str, SampledToken]:
+    def execute(self, batch: ScheduledBatch) -> StepResult:
         """Run one step; return the sampled token (and logprobs) of each request that finished
-        its scheduled tokens with nothing left to compute (prefill done or a decode). Tokens are
-        read back to the host only if some request needs its token now."""
+        its scheduled tokens with nothing left to compute (prefill done or a decode), and the
+        prompt logprobs of the prefill chunks that asked for them. Tokens are read back to the
+        host only if some request needs its token now."""
         for req, entry in batch.restores:
             self.write_prompt_kv(req, entry.kv)
         inputs = self.prepare(batch.requests, batch.num_new_tokens)
         hidden = self.forward(inputs)
+        return StepResult(self._sample(batch, inputs, hidden), self._prompt_logprobs(batch, inputs, hidden))
+
+    def _prompt_logprobs(self, batch: ScheduledBatch, inputs: ModelInputs,
+                         hidden: torch.Tensor) -> dict[str, tuple[int, list]]:
+        """For requests with prompt_logprobs: the logprob of each prompt token that this step's
+        chunk predicts (the hidden state at position p predicts the token at p + 1)."""
+        out = {}
+        for pos, i in enumerate(inputs.order):
+            req, n = batch.requests[i], batch.num_new_tokens[i]
+            k = req.sampling_params.prompt_logprobs
+            start = req.num_computed_tokens
+            end = min(start + n, req.num_prompt_tokens - 1)
+            if k is None or end <= start:
+                continue
+            first_row = inputs.logits_indices[pos] - n + 1
+            entries = []
+            for a in range(start, end, PROMPT_LOGPROBS_ROWS):
+                b = min(a + PROMPT_LOGPROBS_ROWS, end)
+                logits = self.model.compute_logits(hidden[first_row + a - start:first_row + b - start])
+                entries += token_logprobs(logits, req.all_token_ids[a + 1:b + 1], [k] * (b - a))
+            out[req.request_id] = (start + 1, entries)
+        return out
+
+    def _sample(self, batch: ScheduledBatch, inputs: ModelInputs, hidden: torch.Tensor) -> dict[str, SampledToken]:
         sampling = [(pos, batch.requests[i]) for pos, i in enumerate(inputs.order)
                     if batch.requests[i].num_computed_tokens + batch.num_new_tokens[i]
                     == batch.requests[i].num_tokens]

@@ -89,16 +89,22 @@ class Sampler:
         want = [i for i, p in enumerate(params) if p.logprobs is not None]
         if want:
             token_list = tokens.tolist()
-            lp = torch.log_softmax(raw[want], dim=-1)
-            for row, i in enumerate(want):
-                k = params[i].logprobs
-                chosen = float(lp[row, token_list[i]])
-                top = []
-                if k:
-                    vals, ids = torch.topk(lp[row], k)
-                    top = list(zip(ids.tolist(), vals.tolist()))
-                logprobs[i] = (chosen, top)
+            found = token_logprobs(raw[want], [token_list[i] for i in want], [params[i].logprobs for i in want])
+            for i, entry in zip(want, found):
+                logprobs[i] = entry
         return SampleResult(tokens, logprobs)
+
+
+def token_logprobs(logits: torch.Tensor, targets: list[int],
+                   top: list[int]) -> list[tuple[float, list[tuple[int, float]]]]:
+    """Per row of raw logits: the logprob of its target token and its ``top[row]`` most likely
+    tokens as (token id, logprob), from one log_softmax and one topk for all rows."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = lp.gather(1, torch.tensor(targets, device=lp.device).unsqueeze(1)).squeeze(1).tolist()
+    k = max(top)
+    vals, ids = (torch.topk(lp, k) if k else (lp[:, :0], lp[:, :0].long()))
+    vals, ids = vals.tolist(), ids.tolist()
+    return [(chosen[r], list(zip(ids[r][:top[r]], vals[r][:top[r]]))) for r in range(len(targets))]
 
 
 def _needs_processing(req: Request) -> bool:

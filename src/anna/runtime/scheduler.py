@@ -126,7 +126,8 @@ class Scheduler:
                 req = self.waiting[0]
                 first_admission = req.num_cached_tokens < 0
                 computed, num_cached, restore = [], 0, None
-                if req.num_computed_tokens == 0:
+                if req.num_computed_tokens == 0 and req.sampling_params.prompt_logprobs is None:
+                    # (prompt logprobs need every prompt position computed, so no cache hits)
                     if self.prompt_cache.covers(req.prompt_token_ids):
                         req.register_prefix_blocks = False  # no double residency
                         restore = self.prompt_cache.lookup(req.prompt_token_ids, count=first_admission)

@@ -19,7 +19,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from anna.core.config import ResolvedSettings
-from anna.core.outputs import CompletionOutput, RequestOutput
+from anna.core.outputs import CompletionOutput, Logprob, RequestOutput
 from anna.core.sampling_params import SamplingParams, StructuredOutputsParams
 from anna.runtime.engine import LLMEngine
 from anna.runtime.warmup import run_warmup
@@ -84,7 +84,8 @@ SAMPLING_DEFAULTS = {f.name: f.default for f in dataclasses.fields(SamplingParam
 
 def build_sampling_params(state: ServerState, req: SamplingFields, num_prompt_tokens: int,
                           max_tokens: int | None, logprobs: int | None,
-                          structured: StructuredOutputsParams | None = None) -> SamplingParams:
+                          structured: StructuredOutputsParams | None = None,
+                          prompt_logprobs: int | None = None) -> SamplingParams:
     s = state.settings
     if req.n > s.max_n:
         raise APIError(400, f"n: at most {s.max_n} samples per request (got {req.n})", param="n")
@@ -107,7 +108,8 @@ def build_sampling_params(state: ServerState, req: SamplingFields, num_prompt_to
             n=req.n, temperature=pick("temperature"), top_p=pick("top_p"), top_k=pick("top_k"), min_p=pick("min_p"),
             presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
             repetition_penalty=pick("repetition_penalty"), seed=req.seed, stop=req.stop,
-            stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, max_tokens=max_tokens, min_tokens=req.min_tokens, logprobs=logprobs,
+            stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, max_tokens=max_tokens,
+            min_tokens=req.min_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             include_stop_str_in_output=req.include_stop_str_in_output,
             skip_special_tokens=req.skip_special_tokens, logit_bias=logit_bias or None,
             structured_outputs=structured, output_kind="cumulative" if req.stream else "final_only")
@@ -188,15 +190,37 @@ def completion_logprobs(engine: LLMEngine, out: CompletionOutput, start: int, en
                         text_offset: int) -> dict[str, Any] | None:
     if out.logprobs is None:
         return None
+    return legacy_logprobs(engine, out.token_ids[start:end], out.logprobs[start:end], text_offset)
+
+
+def legacy_logprobs(engine: LLMEngine, token_ids: list[int], entries: list[dict[int, Logprob] | None],
+                    text_offset: int) -> dict[str, Any]:
+    """The completions API's logprobs object; a None entry (the first prompt token) has none."""
     tokens, token_lps, tops, offsets = [], [], [], []
-    for token, entry in zip(out.token_ids[start:end], out.logprobs[start:end]):
+    for token, entry in zip(token_ids, entries):
         text = _token_str(engine, token)
         tokens.append(text)
-        token_lps.append(entry[token].logprob)
-        tops.append({_token_str(engine, t): lp.logprob for t, lp in entry.items() if lp.rank is not None})
+        token_lps.append(None if entry is None else entry[token].logprob)
+        tops.append(None if entry is None else
+                    {_token_str(engine, t): lp.logprob for t, lp in entry.items() if lp.rank is not None})
         offsets.append(text_offset)
         text_offset += len(text)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def echoed_logprobs(engine: LLMEngine, out: RequestOutput, generated: dict[str, Any] | None) -> dict[str, Any] | None:
+    """echo + logprobs: the prompt's tokens and logprobs, then the generated ones."""
+    if generated is None or out.prompt_logprobs is None:
+        return generated
+    prompt = legacy_logprobs(engine, out.prompt_token_ids, out.prompt_logprobs, 0)
+    return {key: prompt[key] + generated[key] for key in prompt}
+
+
+def vllm_prompt_logprobs(engine: LLMEngine, out: RequestOutput) -> list[dict[str, Any] | None]:
+    """vLLM's prompt_logprobs field: per prompt token, {token id: {logprob, rank, decoded_token}}."""
+    return [None if entry is None else
+            {str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": _token_str(engine, t)}
+             for t, lp in entry.items()} for entry in out.prompt_logprobs or []]
 
 
 # ---------------------------------------------------------------- chat output parsing
@@ -384,7 +408,8 @@ def create_app(settings: ResolvedSettings, *, load_in_background: bool = True) -
         prompt = render_chat_request(engine.tokenizer, req, tools)
         ids = engine.tokenizer.encode(prompt, add_special_tokens=False)
         top = (req.top_logprobs or 0) if req.logprobs else None
-        params = build_sampling_params(state, req, len(ids), req.max_completion_tokens or req.max_tokens, top, spec)
+        params = build_sampling_params(state, req, len(ids), req.max_completion_tokens or req.max_tokens, top, spec,
+                                       req.prompt_logprobs)
         await compile_constraint(engine, spec, spec_field)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         parse_tools = tools is not None
@@ -409,6 +434,8 @@ def create_app(settings: ResolvedSettings, *, load_in_background: bool = True) -
             choices.append({"index": o.index, "message": message, "finish_reason": finish_reason(o, parser),
                             "logprobs": chat_logprobs(engine, o, 0, len(o.token_ids)),
                             "stop_reason": o.stop_reason})
+            if req.prompt_logprobs is not None:
+                choices[-1]["prompt_logprobs"] = vllm_prompt_logprobs(engine, out)
         completion = sum(len(o.token_ids) for o in out.outputs)
         return JSONResponse({**base, "object": "chat.completion", "choices": choices,
                              "usage": usage(len(ids), completion, out.num_cached_tokens)})
@@ -428,7 +455,9 @@ def create_app(settings: ResolvedSettings, *, load_in_background: bool = True) -
             encoded.append((text, ids))
         top = req.logprobs
         spec, spec_field = request_constraint(req)
-        all_params = [build_sampling_params(state, req, len(ids), req.max_tokens, top, spec) for _, ids in encoded]
+        prompt_top = req.prompt_logprobs if req.prompt_logprobs is not None else top if req.echo else None
+        all_params = [build_sampling_params(state, req, len(ids), req.max_tokens, top, spec, prompt_top)
+                      for _, ids in encoded]
         await compile_constraint(engine, spec, spec_field)
         rid = f"cmpl-{uuid.uuid4().hex}"
         gens = [state.engine.generate(f"{rid}-{i}", ids, p) for i, ((_, ids), p) in enumerate(zip(encoded, all_params))]
@@ -436,7 +465,8 @@ def create_app(settings: ResolvedSettings, *, load_in_background: bool = True) -
         n = req.n
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(completion_stream(state, gens, encoded, base, n, req.echo, include_usage),
+            return StreamingResponse(completion_stream(state, gens, encoded, base, n, req.echo, include_usage,
+                                                       req.prompt_logprobs is not None),
                                      media_type="text/event-stream")
         outs = await run_until_done(request, asyncio.gather(*(final_output(g) for g in gens)))
         if outs is None:
@@ -449,9 +479,12 @@ def create_app(settings: ResolvedSettings, *, load_in_background: bool = True) -
             cached += out.num_cached_tokens
             for o in out.outputs:
                 completion_tokens += len(o.token_ids)
+                lp = completion_logprobs(engine, o, 0, len(o.token_ids), len(prefix))
                 choices.append({"index": i * n + o.index, "text": prefix + o.text,
-                                "logprobs": completion_logprobs(engine, o, 0, len(o.token_ids), len(prefix)),
+                                "logprobs": echoed_logprobs(engine, out, lp) if req.echo else lp,
                                 "finish_reason": finish_reason(o, None), "stop_reason": o.stop_reason})
+                if req.prompt_logprobs is not None:
+                    choices[-1]["prompt_logprobs"] = vllm_prompt_logprobs(engine, out)
         return JSONResponse({**base, "object": "text_completion", "choices": choices,
                              "usage": usage(prompt_tokens, completion_tokens, cached)})
 
@@ -523,7 +556,7 @@ async def chat_stream(state: ServerState, gen: AsyncIterator[RequestOutput], bas
 
 async def completion_stream(state: ServerState, gens: list[AsyncIterator[RequestOutput]],
                             encoded: list[tuple[str | None, list[int]]], base: dict[str, Any], n: int, echo: bool,
-                            include_usage: bool) -> AsyncIterator[str]:
+                            include_usage: bool, send_prompt_logprobs: bool) -> AsyncIterator[str]:
     engine = state.core
     chunk = {**base, "object": "text_completion"}
     queue: asyncio.Queue = asyncio.Queue()
@@ -540,6 +573,7 @@ async def completion_stream(state: ServerState, gens: list[AsyncIterator[Request
     tasks = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(gens)]
     sent_text: dict[tuple[int, int], int] = {}
     sent_tokens: dict[tuple[int, int], int] = {}
+    echoed: dict[tuple[int, int], str] = {}  # the prompt text each choice echoed
     finals: dict[int, RequestOutput] = {}
     running = len(gens)
     try:
@@ -554,20 +588,27 @@ async def completion_stream(state: ServerState, gens: list[AsyncIterator[Request
             finals[i] = item
             for o in item.outputs:
                 key = (i, o.index)
-                start = sent_text.get(key)
+                first = key not in sent_text
                 prefix = ""
-                if start is None:
-                    start = 0
+                if first:
+                    sent_text[key] = 0
                     if echo:
                         text, ids = encoded[i]
-                        prefix = text if text is not None else engine.tokenizer.decode(ids)
+                        prefix = echoed[key] = text if text is not None else engine.tokenizer.decode(ids)
+                start = sent_text[key]
                 delta = prefix + o.text[start:]
                 sent_text[key] = len(o.text)
-                lp = completion_logprobs(engine, o, sent_tokens.get(key, 0), len(o.token_ids), start)
+                lp = completion_logprobs(engine, o, sent_tokens.get(key, 0), len(o.token_ids),
+                                         start + len(echoed.get(key, "")))
+                if first and echo:
+                    lp = echoed_logprobs(engine, item, lp)
                 sent_tokens[key] = len(o.token_ids)
                 if delta or o.finish_reason is not None or lp:
-                    yield sse({**chunk, "choices": [{"index": i * n + o.index, "text": delta, "logprobs": lp,
-                                                     "finish_reason": finish_reason(o, None)}]})
+                    choice = {"index": i * n + o.index, "text": delta, "logprobs": lp,
+                              "finish_reason": finish_reason(o, None)}
+                    if first and send_prompt_logprobs:
+                        choice["prompt_logprobs"] = vllm_prompt_logprobs(engine, item)
+                    yield sse({**chunk, "choices": [choice]})
     finally:
         for t in tasks:
             t.cancel()

@@ -51,6 +51,7 @@ class SamplingFields(_Lenient):
     stream: bool = False
     stream_options: StreamOptions | None = None
     min_tokens: int = Field(default=0, ge=0)
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=20)  # vLLM's extension
     ignore_eos: bool = False
     logit_bias: dict[str, float] | None = None
     skip_special_tokens: bool = True
