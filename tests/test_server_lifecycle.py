@@ -51,3 +51,23 @@ def test_serve_refuses_to_start_when_one_sequence_does_not_fit(qwen2_dir, cache_
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2, done.stderr[-2000:]
     assert "anna: error: max_model_len:" in done.stderr and "the largest max_model_len that fits is 64" in done.stderr
+
+
+def test_cors_preflight_is_answered_before_the_api_key(tmp_path):
+    def request(app, method: str, path: str, headers: dict) -> httpx.Response:
+        async def go():
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+                return await client.request(method, path, headers=headers)
+        return asyncio.run(go())
+
+    preflight = {"Origin": "https://ui.example", "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization,content-type"}
+    app = create_app(ServeSettings(model=str(tmp_path), api_key="k").resolve(env={}))
+    r = request(app, "OPTIONS", "/v1/chat/completions", preflight)
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] in ("*", "https://ui.example")
+    r = request(app, "GET", "/v1/models", {"Origin": "https://ui.example"})
+    assert r.status_code == 401 and "access-control-allow-origin" in r.headers  # the browser can read the error
+    only = create_app(ServeSettings(model=str(tmp_path), allowed_origins="https://a.example").resolve(env={}))
+    assert request(only, "OPTIONS", "/v1/models", preflight).status_code == 400
+    none = create_app(ServeSettings(model=str(tmp_path), allowed_origins="").resolve(env={}))
+    assert "access-control-allow-origin" not in request(none, "GET", "/health", {"Origin": "https://ui.example"}).headers

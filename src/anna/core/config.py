@@ -183,6 +183,8 @@ class ServeSettings:
     host: str | None = _setting("127.0.0.1", "Address the HTTP server listens on.")
     port: int | None = _setting(8000, "Port the HTTP server listens on.", maximum=65535)
     api_key: str | None = _setting("", "If set, every route but /health needs 'Authorization: Bearer KEY'.")
+    allowed_origins: str | None = _setting(
+        "*", "Comma-separated origins whose web pages may call the API (CORS); * = any, empty = none.")
     max_n: int | None = _setting(8, "Most parallel samples (n) one request may ask for.", minimum=1)
     tool_call_parser: str | None = _setting("hermes", "How tool calls are read from model output.",
                                             choices=("hermes", "none"))

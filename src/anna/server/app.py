@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -328,6 +329,10 @@ def create_app(settings: ResolvedSettings, *, load_in_background: bool = True) -
                 err = APIError(401, "invalid or missing API key (expected 'Authorization: Bearer <key>')")
                 return JSONResponse(err.body(), status_code=401)
         return await call_next(request)
+
+    origins = [o.strip() for o in settings.allowed_origins.split(",") if o.strip()]
+    if origins:  # added last, so outermost: browsers' preflight requests carry no API key
+        app.add_middleware(CORSMiddleware, allow_origins=origins, allow_methods=["*"], allow_headers=["*"])
 
     @app.get("/health")
     async def health() -> Response:
