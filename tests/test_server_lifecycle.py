@@ -23,6 +23,11 @@ def test_health_is_503_while_loading_and_routes_say_so(tmp_path):
     assert r.status_code == 503 and r.json()["status"] == "loading"
     r = get(app, "/v1/models")
     assert r.status_code == 401  # auth is checked first, even while loading
+    from anna import __version__
+    r = get(app, "/version")  # as vLLM's; behind the API key like every route but /health
+    assert r.status_code == 401
+    no_key = create_app(ServeSettings(model=str(tmp_path)).resolve(env={}))
+    assert get(no_key, "/version").json() == {"version": __version__}
 
 
 def test_health_reports_a_failed_load(tmp_path):

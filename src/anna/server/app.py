@@ -341,6 +341,12 @@ def create_app(settings: ResolvedSettings, *, load_in_background: bool = True) -
         detail = "loading" if state.load_error is None and state.engine is None else "error"
         return JSONResponse({"status": detail}, status_code=503)
 
+    @app.get("/version")
+    async def version() -> JSONResponse:
+        from anna import __version__
+
+        return JSONResponse({"version": __version__})
+
     @app.get("/v1/models")
     async def models() -> JSONResponse:
         engine = state.core
