@@ -45,6 +45,23 @@ def test_logit_bias_forces_a_token(llm):
     assert out[0].outputs[0].token_ids == [321] * 6
 
 
+def test_allowed_token_ids_restrict_sampling(llm, hf_models):
+    allowed = [5, 77, 300, 412]
+    sampled = gen(llm, [PROMPT], SamplingParams(temperature=1.0, seed=3, max_tokens=12, ignore_eos=True,
+                                                allowed_token_ids=allowed))[0].outputs[0].token_ids
+    assert len(sampled) == 12 and set(sampled) <= set(allowed) and len(set(sampled)) > 1
+    first = gen(llm, [PROMPT], SamplingParams(temperature=0, max_tokens=1, allowed_token_ids=allowed))
+    ref = hf_logits(hf_models["qwen2"][0], PROMPT)[-1]
+    assert first[0].outputs[0].token_ids == [allowed[int(ref[allowed].argmax())]]
+    eos = sorted(llm.llm_engine.eos_token_ids)[0]  # only EOS allowed while min_tokens bans it: EOS, no crash
+    out = gen(llm, [PROMPT], SamplingParams(max_tokens=4, min_tokens=3, allowed_token_ids=[eos]))[0].outputs[0]
+    assert out.token_ids == [eos] * 3 and out.finish_reason == "stop"  # EOS ends it once min_tokens is met
+    with pytest.raises(ValueError, match="^allowed_token_ids: token id 900 is outside"):
+        gen(llm, [PROMPT], SamplingParams(allowed_token_ids=[5, 900]))
+    with pytest.raises(ValueError, match="^allowed_token_ids: must be"):
+        SamplingParams(allowed_token_ids=[])
+
+
 def test_min_p_and_top_p_keep_only_the_top_token_when_tight(llm):
     greedy = gen(llm, [PROMPT], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0].outputs[0].token_ids
     tight = gen(llm, [PROMPT], SamplingParams(temperature=1.0, top_p=1e-6, max_tokens=8, ignore_eos=True,

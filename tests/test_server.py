@@ -391,3 +391,13 @@ def test_echo_with_logprobs_scores_the_prompt_like_transformers(server, hf_model
     r = httpx.post(server + "/v1/chat/completions", headers=auth(), json={
         "model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, "prompt_logprobs": 0})
     assert len(r.json()["choices"][0]["prompt_logprobs"]) == r.json()["usage"]["prompt_tokens"]
+
+
+def test_allowed_token_ids_over_http(server):
+    r = httpx.post(server + "/v1/completions", headers=auth(), json={
+        "model": MODEL, "prompt": "x", "max_tokens": 5, "ignore_eos": True, "allowed_token_ids": [321]})
+    expected = httpx.post(server + "/detokenize", headers=auth(), json={"tokens": [321] * 5}).json()["prompt"]
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == expected
+    r = httpx.post(server + "/v1/completions", headers=auth(), json={
+        "model": MODEL, "prompt": "x", "allowed_token_ids": [99999]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "allowed_token_ids"

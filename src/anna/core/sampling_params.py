@@ -84,6 +84,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None  # sample only among these (vLLM's)
     structured_outputs: StructuredOutputsParams | None = None
     # cumulative: an output after every step (streaming); final_only: one output when finished,
     # which lets the engine read sampled tokens back from the device every few steps only
@@ -157,6 +158,10 @@ class SamplingParams:
             bad("stop", "must be a non-empty string or a list of non-empty strings")
         if any(not is_int(t) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "must be a list of non-negative integers")
+        if self.allowed_token_ids is not None and (not isinstance(self.allowed_token_ids, (list, tuple))
+                                                   or not self.allowed_token_ids
+                                                   or any(not is_int(t) or t < 0 for t in self.allowed_token_ids)):
+            bad("allowed_token_ids", "must be a non-empty list of non-negative integers")
         if self.logit_bias and any(not -100 <= v <= 100 for v in self.logit_bias.values()):
             bad("logit_bias", "values must be in [-100, 100]")
         if self.output_kind not in OUTPUT_KINDS:

@@ -200,9 +200,11 @@ class LLMEngine:
         against the vocabulary); return the effective max_tokens. (The KV plan guarantees that the
         pool holds at least one max_model_len sequence, so a request that passes always fits.)"""
         vocab = self.model_config.vocab_size
-        outside = [t for t in params.logit_bias or {} if not 0 <= t < vocab]
-        if outside:
-            raise ValueError(f"logit_bias: token id {outside[0]} is outside the vocabulary (0..{vocab - 1})")
+        for name, ids in (("logit_bias", params.logit_bias or {}),
+                          ("allowed_token_ids", params.allowed_token_ids or [])):
+            outside = [t for t in ids if not 0 <= t < vocab]
+            if outside:
+                raise ValueError(f"{name}: token id {outside[0]} is outside the vocabulary (0..{vocab - 1})")
         if num_prompt_tokens == 0:
             raise ValueError("prompt: must not be empty")
         room = self.max_model_len - num_prompt_tokens

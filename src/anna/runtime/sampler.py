@@ -109,13 +109,18 @@ def token_logprobs(logits: torch.Tensor, targets: list[int],
 
 def _needs_processing(req: Request) -> bool:
     p = req.sampling_params
-    return bool(req.grammar is not None or p.logit_bias or p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
-                or req.num_output_tokens < p.min_tokens)
+    return bool(req.grammar is not None or p.logit_bias or p.allowed_token_ids or p.repetition_penalty != 1.0
+                or p.presence_penalty or p.frequency_penalty or req.num_output_tokens < p.min_tokens)
 
 
 def _apply_penalties_and_bias(row: torch.Tensor, req: Request) -> None:
     p = req.sampling_params
     device = row.device
+    if p.allowed_token_ids:
+        allowed = torch.tensor(p.allowed_token_ids, dtype=torch.long, device=device)
+        kept = row[allowed]
+        row.fill_(float("-inf"))
+        row[allowed] = kept
     if p.logit_bias:
         ids = torch.tensor(list(p.logit_bias), dtype=torch.long, device=device)
         vals = torch.tensor(list(p.logit_bias.values()), device=device)
@@ -133,3 +138,5 @@ def _apply_penalties_and_bias(row: torch.Tensor, req: Request) -> None:
                   if 0 <= t < row.shape[0]]
         if banned:
             row[torch.tensor(banned, dtype=torch.long, device=device)] = float("-inf")
+        if p.allowed_token_ids and bool(torch.isneginf(row).all()):  # only banned tokens were allowed: they win
+            row[allowed] = kept

@@ -113,6 +113,7 @@ def build_sampling_params(state: ServerState, req: SamplingFields, num_prompt_to
             min_tokens=req.min_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             include_stop_str_in_output=req.include_stop_str_in_output,
             skip_special_tokens=req.skip_special_tokens, logit_bias=logit_bias or None,
+            allowed_token_ids=req.allowed_token_ids,
             structured_outputs=structured, output_kind="cumulative" if req.stream else "final_only")
         state.core.check_request(num_prompt_tokens, params)
     except ValueError as exc:

@@ -54,6 +54,7 @@ class SamplingFields(_Lenient):
     prompt_logprobs: int | None = Field(default=None, ge=0, le=20)  # vLLM's extension
     ignore_eos: bool = False
     logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[int] | None = None  # vLLM's extension
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     user: str | None = None
