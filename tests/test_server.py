@@ -216,6 +216,15 @@ def test_prompt_too_long_message_gives_the_numbers(server):
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
 
 
+def test_completion_fields_anna_cannot_honour_are_refused(server):
+    for extra, param in (({"suffix": "end"}, "suffix"), ({"best_of": 3, "n": 2}, "best_of")):
+        r = httpx.post(server + "/v1/completions", json={"model": MODEL, "prompt": "x", **extra}, headers=auth())
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    r = httpx.post(server + "/v1/completions", json={"model": MODEL, "prompt": "x", "best_of": 2, "n": 2,
+                                                     "suffix": "", "max_tokens": 2}, headers=auth())
+    assert r.status_code == 200 and len(r.json()["choices"]) == 2
+
+
 def test_unknown_routes_and_methods_answer_in_openai_error_shape(server):
     for method, path, status in (("GET", "/v1/nothing", 404), ("GET", "/v1/completions", 405),
                                  ("DELETE", "/v1/models", 405)):

@@ -456,6 +456,11 @@ def create_app(settings: ResolvedSettings, *, load_in_background: bool = True) -
     async def completions(request: Request) -> Response:
         req: CompletionRequest = await parse_body(request, CompletionRequest)
         check_model(state, req.model)
+        if req.suffix:
+            raise APIError(400, "suffix: not supported (Anna completes after the prompt only)", param="suffix")
+        if req.best_of not in (None, 1, req.n):
+            raise APIError(400, f"best_of: {req.best_of} is not supported: Anna returns every sample it draws, so "
+                                f"best_of may only be 1 or n ({req.n})", param="best_of")
         engine = state.core
         prompts = normalize_prompts(req.prompt)
         encoded = []

@@ -115,7 +115,8 @@ class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
-    suffix: str | None = None
+    suffix: str | None = None  # refused when given: no fill-in-the-middle
+    best_of: int | None = Field(default=None, ge=1)  # refused unless 1 or n: every sample is returned
 
 
 class TokenizeRequest(_Lenient):
