@@ -58,3 +58,17 @@ def test_prompt_logprobs_in_a_batch_after_the_prefix_is_cached_and_with_n(llm, h
 def test_prompt_logprobs_is_validated():
     with pytest.raises(ValueError, match="^prompt_logprobs: must be an integer in"):
         SamplingParams(prompt_logprobs=21)
+
+
+def test_prompt_logprobs_survive_preemption(qwen2_dir, cache_dir, hf_models):
+    """Four 70-token sequences in a 96-token pool: some are preempted and recomputed, and their
+    prompt logprobs are written again at the same positions, not appended."""
+    llm = LLM(str(qwen2_dir), dtype="float32", device="cpu", cache_dir=str(cache_dir), max_model_len=96,
+              num_gpu_blocks_override=12, block_size=8, max_num_batched_tokens=32)
+    prompts = [[(i * 7 + j * 13) % 700 + 3 for i in range(30)] for j in range(4)]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=40, ignore_eos=True, prompt_logprobs=1, temperature=0),
+                        use_tqdm=False)
+    assert llm.llm_engine.scheduler.num_preemptions > 0
+    for prompt, out in zip(prompts, outs):
+        assert_prompt_logprobs_match(out, prompt, hf_logits(hf_models["qwen2"][0], prompt), 1)
+    assert llm.llm_engine.kv.num_free_blocks == llm.llm_engine.kv.num_blocks
