@@ -146,6 +146,14 @@ async def run_until_done(request: Request, work: Any) -> Any:
     return task.result()
 
 
+async def chat_prompt_ids(engine: LLMEngine, req: Any, tools: list[dict[str, Any]] | None) -> list[int]:
+    """The chat template rendered and tokenized off the event loop: a long conversation would
+    otherwise pause every stream for as long as it takes."""
+    def work() -> list[int]:
+        return engine.tokenizer.encode(render_chat_request(engine.tokenizer, req, tools), add_special_tokens=False)
+    return await asyncio.to_thread(work)
+
+
 async def final_output(gen: AsyncIterator[RequestOutput]) -> RequestOutput:
     last = None
     try:
@@ -373,10 +381,9 @@ def create_app(settings: ResolvedSettings, *, load_in_background: bool = True) -
         engine = state.core
         if req.messages is not None:
             tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
-            text = render_chat_request(engine.tokenizer, req, tools)
-            ids = engine.tokenizer.encode(text, add_special_tokens=False)
+            ids = await chat_prompt_ids(engine, req, tools)
         elif req.prompt is not None:
-            ids = engine.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+            ids = await asyncio.to_thread(engine.tokenizer.encode, req.prompt, req.add_special_tokens)
         else:
             raise APIError(400, "prompt: give 'prompt' or 'messages'", param="prompt")
         return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len})
@@ -417,8 +424,7 @@ def create_app(settings: ResolvedSettings, *, load_in_background: bool = True) -
             spec, spec_field = request_constraint(req)
         if spec is not None and state.settings.reasoning_parser != "none":
             spec = after_reasoning(spec)
-        prompt = render_chat_request(engine.tokenizer, req, tools)
-        ids = engine.tokenizer.encode(prompt, add_special_tokens=False)
+        ids = await chat_prompt_ids(engine, req, tools)
         top = (req.top_logprobs or 0) if req.logprobs else None
         params = build_sampling_params(state, req, len(ids), req.max_completion_tokens or req.max_tokens, top, spec,
                                        req.prompt_logprobs)
@@ -466,7 +472,7 @@ def create_app(settings: ResolvedSettings, *, load_in_background: bool = True) -
         encoded = []
         for p in prompts:
             try:
-                text, ids = engine.encode_prompt(p)
+                text, ids = await asyncio.to_thread(engine.encode_prompt, p)
             except ValueError as exc:
                 raise APIError(400, str(exc), param="prompt") from None
             encoded.append((text, ids))
