@@ -20,13 +20,14 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from anna.core.config import ResolvedSettings
-from anna.core.outputs import CompletionOutput, Logprob, RequestOutput
+from anna.core.outputs import CompletionOutput, RequestOutput
 from anna.core.sampling_params import SamplingParams, StructuredOutputsParams
 from anna.runtime.engine import LLMEngine
 from anna.runtime.warmup import run_warmup
 from anna.server.async_engine import AsyncEngine, EngineDeadError
 from anna.server.chat import render_chat_request
 from anna.server.constraints import after_reasoning, compile_constraint, forced_tool_constraint, request_constraint
+from anna.server.logprobs import chat_logprobs, completion_logprobs, echoed_logprobs, vllm_prompt_logprobs
 from anna.server.metrics import EngineCollector, make_registry, render
 from anna.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                   SamplingFields, TokenizeRequest)
@@ -175,62 +176,6 @@ def sse(data: Any) -> str:
 def usage(prompt_tokens: int, completion_tokens: int, cached: int) -> dict[str, Any]:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": {"cached_tokens": cached}}
-
-
-# ---------------------------------------------------------------- logprobs
-
-def _token_str(engine: LLMEngine, token_id: int) -> str:
-    return engine.tokenizer.decode([token_id], skip_special_tokens=False)
-
-
-def chat_logprobs(engine: LLMEngine, out: CompletionOutput, start: int, end: int) -> dict[str, Any] | None:
-    if out.logprobs is None:
-        return None
-    content = []
-    for token, entry in zip(out.token_ids[start:end], out.logprobs[start:end]):
-        text = _token_str(engine, token)
-        content.append({"token": text, "logprob": entry[token].logprob, "bytes": list(text.encode()),
-                        "top_logprobs": [{"token": _token_str(engine, t), "logprob": lp.logprob,
-                                          "bytes": list(_token_str(engine, t).encode())}
-                                         for t, lp in entry.items() if lp.rank is not None]})
-    return {"content": content}
-
-
-def completion_logprobs(engine: LLMEngine, out: CompletionOutput, start: int, end: int,
-                        text_offset: int) -> dict[str, Any] | None:
-    if out.logprobs is None:
-        return None
-    return legacy_logprobs(engine, out.token_ids[start:end], out.logprobs[start:end], text_offset)
-
-
-def legacy_logprobs(engine: LLMEngine, token_ids: list[int], entries: list[dict[int, Logprob] | None],
-                    text_offset: int) -> dict[str, Any]:
-    """The completions API's logprobs object; a None entry (the first prompt token) has none."""
-    tokens, token_lps, tops, offsets = [], [], [], []
-    for token, entry in zip(token_ids, entries):
-        text = _token_str(engine, token)
-        tokens.append(text)
-        token_lps.append(None if entry is None else entry[token].logprob)
-        tops.append(None if entry is None else
-                    {_token_str(engine, t): lp.logprob for t, lp in entry.items() if lp.rank is not None})
-        offsets.append(text_offset)
-        text_offset += len(text)
-    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
-
-
-def echoed_logprobs(engine: LLMEngine, out: RequestOutput, generated: dict[str, Any] | None) -> dict[str, Any] | None:
-    """echo + logprobs: the prompt's tokens and logprobs, then the generated ones."""
-    if generated is None or out.prompt_logprobs is None:
-        return generated
-    prompt = legacy_logprobs(engine, out.prompt_token_ids, out.prompt_logprobs, 0)
-    return {key: prompt[key] + generated[key] for key in prompt}
-
-
-def vllm_prompt_logprobs(engine: LLMEngine, out: RequestOutput) -> list[dict[str, Any] | None]:
-    """vLLM's prompt_logprobs field: per prompt token, {token id: {logprob, rank, decoded_token}}."""
-    return [None if entry is None else
-            {str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": _token_str(engine, t)}
-             for t, lp in entry.items()} for entry in out.prompt_logprobs or []]
 
 
 # ---------------------------------------------------------------- chat output parsing
