@@ -410,3 +410,12 @@ def test_allowed_token_ids_over_http(server):
     r = httpx.post(server + "/v1/completions", headers=auth(), json={
         "model": MODEL, "prompt": "x", "allowed_token_ids": [99999]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "allowed_token_ids"
+
+
+def test_completions_default_to_16_tokens_chat_to_the_context(server):
+    r = httpx.post(server + "/v1/completions", headers=auth(),
+                   json={"model": MODEL, "prompt": "x", "ignore_eos": True})
+    assert r.json()["usage"]["completion_tokens"] == 16  # OpenAI's default for completions, as in vLLM
+    r = httpx.post(server + "/v1/completions", headers=auth(),
+                   json={"model": MODEL, "prompt": [5] * 480, "ignore_eos": True, "max_tokens": None})
+    assert r.json()["usage"]["completion_tokens"] == 512 - 480  # explicitly none: up to max_model_len
