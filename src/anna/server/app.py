@@ -369,6 +369,8 @@ def create_app(settings: ResolvedSettings, *, load_in_background: bool = True) -
             spec, spec_field = request_constraint(req)
         if spec is not None and state.settings.reasoning_parser != "none":
             spec = after_reasoning(spec)
+        if req.top_logprobs and not req.logprobs:
+            raise APIError(400, "top_logprobs: needs logprobs set to true", param="top_logprobs")
         ids = await chat_prompt_ids(engine, req, tools)
         top = (req.top_logprobs or 0) if req.logprobs else None
         params = build_sampling_params(state, req, len(ids), req.max_completion_tokens or req.max_tokens, top, spec,
