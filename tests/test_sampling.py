@@ -251,3 +251,16 @@ def test_bfloat16_logits_close_to_transformers(arch, hf_models, cache_dir):
     err = (logits - ref).abs().max() / ref.abs().max()
     assert err < 3e-2, f"bf16 relative logit error {err:.3e}"
     assert ARCH_CONFIGS  # the fixture models are float32; bf16 rounding bounds the error
+
+
+def test_truncate_prompt_tokens_keeps_the_end_of_the_prompt(llm):
+    long = [(i * 11 + 3) % 700 + 3 for i in range(100)]
+    params = dict(temperature=0, max_tokens=6, ignore_eos=True)
+    cut = gen(llm, [long], SamplingParams(truncate_prompt_tokens=20, **params))[0]
+    direct = gen(llm, [long[-20:]], SamplingParams(**params))[0]
+    assert cut.prompt_token_ids == long[-20:] and cut.outputs[0].token_ids == direct.outputs[0].token_ids
+    assert gen(llm, [long[:10]], SamplingParams(truncate_prompt_tokens=20, **params))[0].prompt_token_ids == long[:10]
+    over = [5] * 600  # longer than max_model_len=512, but only its last 100 tokens are kept
+    assert len(gen(llm, [over], SamplingParams(truncate_prompt_tokens=100, **params))[0].prompt_token_ids) == 100
+    with pytest.raises(ValueError, match="^truncate_prompt_tokens: must be"):
+        SamplingParams(truncate_prompt_tokens=0)

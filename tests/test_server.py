@@ -420,3 +420,13 @@ def test_completions_default_to_16_tokens_chat_to_the_context(server):
     r = httpx.post(server + "/v1/completions", headers=auth(),
                    json={"model": MODEL, "prompt": [5] * 480, "ignore_eos": True, "max_tokens": None})
     assert r.json()["usage"]["completion_tokens"] == 512 - 480  # explicitly none: up to max_model_len
+
+
+def test_truncate_prompt_tokens_over_http(server):
+    r = httpx.post(server + "/v1/completions", headers=auth(), json={
+        "model": MODEL, "prompt": [5] * 600, "max_tokens": 2, "truncate_prompt_tokens": 50, "echo": True})
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 50, r.text
+    r = httpx.post(server + "/v1/chat/completions", headers=auth(), json={
+        "model": MODEL, "messages": [{"role": "user", "content": "hi " * 600}], "max_tokens": 2,
+        "truncate_prompt_tokens": 40})
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 40, r.text

@@ -81,6 +81,7 @@ class SamplingParams:
     # Logprob of every prompt token after the first, given the tokens before it, with this many
     # top alternatives (vLLM's prompt_logprobs; what echo + logprobs returns over HTTP)
     prompt_logprobs: int | None = None
+    truncate_prompt_tokens: int | None = None  # keep only the prompt's last that many tokens (vLLM's)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None
@@ -150,6 +151,9 @@ class SamplingParams:
             bad("min_tokens", "must be an integer >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             bad("min_tokens", f"must not exceed max_tokens={self.max_tokens}")
+        if self.truncate_prompt_tokens is not None and (not is_int(self.truncate_prompt_tokens)
+                                                        or self.truncate_prompt_tokens < 1):
+            bad("truncate_prompt_tokens", "must be an integer >= 1")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and (not is_int(value) or not 0 <= value <= MAX_LOGPROBS):

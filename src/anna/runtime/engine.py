@@ -183,17 +183,24 @@ class LLMEngine:
         return PromptCache(size, max_tokens)
 
     # ---- requests ----
-    def encode_prompt(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+    def encode_prompt(self, prompt: str | list[int],
+                      truncate_prompt_tokens: int | None = None) -> tuple[str | None, list[int]]:
+        """(text, token ids) of a prompt; with truncate_prompt_tokens, only its last that many
+        tokens (and no text, which would no longer match them)."""
         if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt)
-        if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool)
-                                                             for t in prompt):
+            text, ids = prompt, self.tokenizer.encode(prompt)
+        elif not isinstance(prompt, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool)
+                                                               for t in prompt):
             raise ValueError("prompt: must be a string or a list of token ids")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in prompt if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt: token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
-        return None, list(prompt)
+        else:
+            vocab = self.model_config.vocab_size
+            bad = [t for t in prompt if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"prompt: token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
+            text, ids = None, list(prompt)
+        if truncate_prompt_tokens is not None and len(ids) > truncate_prompt_tokens:
+            text, ids = None, ids[-truncate_prompt_tokens:]
+        return text, ids
 
     def check_request(self, num_prompt_tokens: int, params: SamplingParams) -> int:
         """Check what SamplingParams cannot check alone (lengths against max_model_len, token ids
@@ -228,7 +235,7 @@ class LLMEngine:
             raise ValueError("sampling_params: must be a SamplingParams")
         if request_id in self.groups:
             raise ValueError(f"request_id: {request_id!r} is already in use")
-        text, ids = self.encode_prompt(prompt)
+        text, ids = self.encode_prompt(prompt, params.truncate_prompt_tokens)
         max_tokens = self.check_request(len(ids), params)
         spec = params.structured_outputs
         if spec is not None:

@@ -114,7 +114,7 @@ def build_sampling_params(state: ServerState, req: SamplingFields, num_prompt_to
             min_tokens=req.min_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             include_stop_str_in_output=req.include_stop_str_in_output,
             skip_special_tokens=req.skip_special_tokens, logit_bias=logit_bias or None,
-            allowed_token_ids=req.allowed_token_ids,
+            allowed_token_ids=req.allowed_token_ids, truncate_prompt_tokens=req.truncate_prompt_tokens,
             structured_outputs=structured, output_kind="cumulative" if req.stream else "final_only")
         state.core.check_request(num_prompt_tokens, params)
     except ValueError as exc:
@@ -147,11 +147,13 @@ async def run_until_done(request: Request, work: Any) -> Any:
     return task.result()
 
 
-async def chat_prompt_ids(engine: LLMEngine, req: Any, tools: list[dict[str, Any]] | None) -> list[int]:
+async def chat_prompt_ids(engine: LLMEngine, req: Any, tools: list[dict[str, Any]] | None,
+                          truncate_prompt_tokens: int | None = None) -> list[int]:
     """The chat template rendered and tokenized off the event loop: a long conversation would
     otherwise pause every stream for as long as it takes."""
     def work() -> list[int]:
-        return engine.tokenizer.encode(render_chat_request(engine.tokenizer, req, tools), add_special_tokens=False)
+        ids = engine.tokenizer.encode(render_chat_request(engine.tokenizer, req, tools), add_special_tokens=False)
+        return engine.encode_prompt(ids, truncate_prompt_tokens)[1]
     return await asyncio.to_thread(work)
 
 
@@ -371,7 +373,7 @@ def create_app(settings: ResolvedSettings, *, load_in_background: bool = True) -
             spec = after_reasoning(spec)
         if req.top_logprobs and not req.logprobs:
             raise APIError(400, "top_logprobs: needs logprobs set to true", param="top_logprobs")
-        ids = await chat_prompt_ids(engine, req, tools)
+        ids = await chat_prompt_ids(engine, req, tools, req.truncate_prompt_tokens)
         top = (req.top_logprobs or 0) if req.logprobs else None
         params = build_sampling_params(state, req, len(ids), req.max_completion_tokens or req.max_tokens, top, spec,
                                        req.prompt_logprobs)
@@ -419,7 +421,7 @@ def create_app(settings: ResolvedSettings, *, load_in_background: bool = True) -
         encoded = []
         for p in prompts:
             try:
-                text, ids = await asyncio.to_thread(engine.encode_prompt, p)
+                text, ids = await asyncio.to_thread(engine.encode_prompt, p, req.truncate_prompt_tokens)
             except ValueError as exc:
                 raise APIError(400, str(exc), param="prompt") from None
             encoded.append((text, ids))
