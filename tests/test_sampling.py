@@ -264,3 +264,24 @@ def test_truncate_prompt_tokens_keeps_the_end_of_the_prompt(llm):
     assert len(gen(llm, [over], SamplingParams(truncate_prompt_tokens=100, **params))[0].prompt_token_ids) == 100
     with pytest.raises(ValueError, match="^truncate_prompt_tokens: must be"):
         SamplingParams(truncate_prompt_tokens=0)
+
+
+def contains(seq: list[int], part: list[int]) -> bool:
+    return any(seq[i:i + len(part)] == part for i in range(len(seq) - len(part) + 1))
+
+
+def test_bad_words_are_never_generated(llm):
+    engine, tok = llm.llm_engine, llm.get_tokenizer()
+    params = dict(temperature=0, max_tokens=24, ignore_eos=True)
+    free = gen(llm, [PROMPT], SamplingParams(**params))[0].outputs[0].token_ids
+    # words the free run produced: one token that reads back as itself, and a two-token stretch
+    one = next(tok.decode([t]) for t in free if tok.encode(tok.decode([t]), add_special_tokens=False) == [t])
+    two = next(tok.decode(free[i:i + 2]) for i in range(len(free) - 1)
+               if len(tok.encode(tok.decode(free[i:i + 2]), add_special_tokens=False)) == 2
+               and tok.encode(tok.decode(free[i:i + 2]), add_special_tokens=False) == free[i:i + 2])
+    banned = engine._bad_word_ids([one, two])
+    assert any(contains(free, seq) for seq in banned)  # the free run does produce them
+    out = gen(llm, [PROMPT], SamplingParams(bad_words=[one, two], **params))[0].outputs[0].token_ids
+    assert len(out) == 24 and not any(contains(out, seq) for seq in banned)
+    with pytest.raises(ValueError, match="^bad_words: must be"):
+        SamplingParams(bad_words=["ok", " "])

@@ -403,7 +403,7 @@ def test_echo_with_logprobs_scores_the_prompt_like_transformers(server, hf_model
     assert len(r.json()["choices"][0]["prompt_logprobs"]) == r.json()["usage"]["prompt_tokens"]
 
 
-def test_allowed_token_ids_over_http(server):
+def test_allowed_token_ids_and_bad_words_over_http(server):
     r = httpx.post(server + "/v1/completions", headers=auth(), json={
         "model": MODEL, "prompt": "x", "max_tokens": 5, "ignore_eos": True, "allowed_token_ids": [321]})
     expected = httpx.post(server + "/detokenize", headers=auth(), json={"tokens": [321] * 5}).json()["prompt"]
@@ -411,6 +411,12 @@ def test_allowed_token_ids_over_http(server):
     r = httpx.post(server + "/v1/completions", headers=auth(), json={
         "model": MODEL, "prompt": "x", "allowed_token_ids": [99999]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "allowed_token_ids"
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 3, "temperature": 0, "ignore_eos": True, "logprobs": 0}
+    first = httpx.post(server + "/v1/completions", headers=auth(), json=body).json()["choices"][0]["logprobs"]["tokens"][0]
+    r = httpx.post(server + "/v1/completions", headers=auth(), json={**body, "bad_words": [first]})
+    assert r.status_code == 200 and r.json()["choices"][0]["logprobs"]["tokens"][0] != first
+    r = httpx.post(server + "/v1/completions", headers=auth(), json={**body, "bad_words": [""]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "bad_words"
 
 
 def test_completions_default_to_16_tokens_chat_to_the_context(server):

@@ -47,6 +47,7 @@ class Request:
     # With prompt_logprobs: per prompt position, {token id: Logprob} once computed (None for the
     # first); a recompute after preemption writes the same positions again
     prompt_logprobs: list[dict | None] = field(default_factory=list)
+    bad_word_ids: list[list[int]] = field(default_factory=list)  # token sequences of bad_words
     grammar: Any = None  # an llguidance matcher when the output is constrained; it tracks the output so far
     # Token sync window: sampled tokens are read back every sync_every steps; until then each is a
     # PENDING_TOKEN in the token lists and (device tensor, row) here, oldest first.

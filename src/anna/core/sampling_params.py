@@ -86,6 +86,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None  # sample only among these (vLLM's)
+    bad_words: list[str] | None = None  # words never generated, with or without a leading space (vLLM's)
     structured_outputs: StructuredOutputsParams | None = None
     # cumulative: an output after every step (streaming); final_only: one output when finished,
     # which lets the engine read sampled tokens back from the device every few steps only
@@ -166,6 +167,9 @@ class SamplingParams:
                                                    or not self.allowed_token_ids
                                                    or any(not is_int(t) or t < 0 for t in self.allowed_token_ids)):
             bad("allowed_token_ids", "must be a non-empty list of non-negative integers")
+        if self.bad_words is not None and (not isinstance(self.bad_words, (list, tuple)) or any(
+                not isinstance(w, str) or not w.strip() for w in self.bad_words)):
+            bad("bad_words", "must be a list of non-empty strings")
         if self.logit_bias and any(not -100 <= v <= 100 for v in self.logit_bias.values()):
             bad("logit_bias", "values must be in [-100, 100]")
         if self.output_kind not in OUTPUT_KINDS:

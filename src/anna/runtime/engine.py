@@ -242,6 +242,7 @@ class LLMEngine:
             self.structured.compile(spec)  # invalid constraints fail here, before anything is allocated
         group = RequestGroup(request_id, text, final_only=params.output_kind == "final_only")
         sync_every = self._sync_window(params)
+        bad_word_ids = self._bad_word_ids(params.bad_words or [])
         for i in range(params.n):
             child = params
             if params.n > 1 or params.max_tokens != max_tokens:
@@ -250,7 +251,8 @@ class LLMEngine:
                                           "prompt_logprobs": params.prompt_logprobs if i == 0 else None})
             req = Request(request_id if params.n == 1 else f"{request_id}#{i}", ids, child, prompt=text,
                           eos_token_ids=self.eos_token_ids, arrival_time=arrival_time or time.monotonic(),
-                          grammar=None if spec is None else self.structured.new_matcher(spec), sync_every=sync_every)
+                          grammar=None if spec is None else self.structured.new_matcher(spec), sync_every=sync_every,
+                          bad_word_ids=bad_word_ids)
             detok = IncrementalDetokenizer(self.tokenizer, ids, child.skip_special_tokens)
             state = SequenceState(req, detok)
             group.seqs.append(state)
@@ -265,9 +267,20 @@ class LLMEngine:
         (no stream, no stop strings, logprobs, penalties or grammar, which need each token)."""
         if (p.output_kind != "final_only" or p.stop_strings or p.logprobs is not None
                 or p.structured_outputs is not None or p.repetition_penalty != 1.0 or p.presence_penalty
-                or p.frequency_penalty):
+                or p.frequency_penalty or p.bad_words):
             return 1
         return self.token_sync_every
+
+    def _bad_word_ids(self, words: list[str]) -> list[list[int]]:
+        """Each bad word as the tokens it is generated as: on its own and after a space (which
+        most tokenizers fold into the word's first token), as vLLM reads bad_words."""
+        out = []
+        for word in words:
+            for text in (word.lstrip(), " " + word.lstrip()):
+                ids = self.tokenizer.encode(text, add_special_tokens=False)
+                if ids and ids not in out:
+                    out.append(ids)
+        return out
 
     def abort_request(self, request_id: str) -> None:
         group = self.groups.pop(request_id, None)

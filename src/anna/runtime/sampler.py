@@ -109,8 +109,9 @@ def token_logprobs(logits: torch.Tensor, targets: list[int],
 
 def _needs_processing(req: Request) -> bool:
     p = req.sampling_params
-    return bool(req.grammar is not None or p.logit_bias or p.allowed_token_ids or p.repetition_penalty != 1.0
-                or p.presence_penalty or p.frequency_penalty or req.num_output_tokens < p.min_tokens)
+    return bool(req.grammar is not None or p.logit_bias or p.allowed_token_ids or req.bad_word_ids
+                or p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
+                or req.num_output_tokens < p.min_tokens)
 
 
 def _apply_penalties_and_bias(row: torch.Tensor, req: Request) -> None:
@@ -121,6 +122,12 @@ def _apply_penalties_and_bias(row: torch.Tensor, req: Request) -> None:
         kept = row[allowed]
         row.fill_(float("-inf"))
         row[allowed] = kept
+    if req.bad_word_ids:  # a word's last token is banned where the output ends with the rest of it
+        out = req.output_token_ids
+        banned_words = {seq[-1] for seq in req.bad_word_ids
+                        if len(seq) == 1 or (len(out) >= len(seq) - 1 and out[len(out) - len(seq) + 1:] == seq[:-1])}
+        if banned_words:
+            row[torch.tensor(sorted(banned_words), dtype=torch.long, device=device)] = float("-inf")
     if p.logit_bias:
         ids = torch.tensor(list(p.logit_bias), dtype=torch.long, device=device)
         vals = torch.tensor(list(p.logit_bias.values()), device=device)

@@ -55,6 +55,7 @@ class SamplingFields(_Lenient):
     ignore_eos: bool = False
     logit_bias: dict[str, float] | None = None
     allowed_token_ids: list[int] | None = None  # vLLM's extension
+    bad_words: list[str] | None = None  # vLLM's extension
     truncate_prompt_tokens: int | None = Field(default=None, ge=1)  # vLLM's: keep the prompt's last N tokens
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
