@@ -264,7 +264,7 @@ class LLMEngine:
 
     def _sync_window(self, p: SamplingParams) -> int:
         """Steps between reading a request's tokens back: 1 unless nobody looks at them sooner
-        (no stream, no stop strings, logprobs, penalties or grammar, which need each token)."""
+        (no stream, stop strings, logprobs, penalties, bad words or grammar, which need each token)."""
         if (p.output_kind != "final_only" or p.stop_strings or p.logprobs is not None
                 or p.structured_outputs is not None or p.repetition_penalty != 1.0 or p.presence_penalty
                 or p.frequency_penalty or p.bad_words):
