@@ -154,7 +154,7 @@ async def chat_prompt_ids(engine: LLMEngine, req: Any, tools: list[dict[str, Any
     otherwise pause every stream for as long as it takes."""
     def work() -> list[int]:
         ids = engine.tokenizer.encode(render_chat_request(engine.tokenizer, req, tools), add_special_tokens=False)
-        return engine.encode_prompt(ids, truncate_prompt_tokens)[1]
+        return engine.encode_prompt(ids, truncate_prompt_tokens)[1] if truncate_prompt_tokens else ids
     return await asyncio.to_thread(work)
 
 
