@@ -26,6 +26,15 @@ ARCH_CONFIGS = {
     "mistral_swa": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=24, tie_word_embeddings=False)),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=True)),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32, tie_word_embeddings=False)),
+    # mixture of experts: 8 experts, 2 or 3 per token; Qwen2-MoE with a shared expert and a dense first layer
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=8, num_experts_per_tok=2,
+                                                            intermediate_size=64, tie_word_embeddings=False)),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64,
+        mlp_only_layers=[0], norm_topk_prob=False, tie_word_embeddings=False)),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32, norm_topk_prob=True, head_dim=32,
+        tie_word_embeddings=False)),
 }
 
 

@@ -66,3 +66,30 @@ def record_batches(engine: LLMEngine) -> list[list[int]]:
 
     engine.runner.execute = execute
     return seen
+
+
+def fake_quantized(model, quant: str, group: int = 32):
+    """A copy of the transformers model whose weights Anna quantizes are replaced by their
+    dequantized values: every linear layer's, and each expert's of a mixture of experts (stored
+    as one [experts, rows, cols] tensor); routers and Qwen2-MoE's shared-expert gate stay exact,
+    as in Anna."""
+    import copy
+
+    from anna.model.quantization import dequantize_int4, dequantize_int8, quantize_int4, quantize_int8
+
+    def round_trip(w: torch.Tensor) -> None:
+        if quant == "int8":
+            w.copy_(dequantize_int8(*quantize_int8(w)))
+        else:
+            w.copy_(dequantize_int4(*quantize_int4(w, group), group))
+
+    fake = copy.deepcopy(model)
+    with torch.no_grad():
+        for name, module in fake.named_modules():
+            if isinstance(module, torch.nn.Linear) and not name.endswith("shared_expert_gate"):
+                round_trip(module.weight)
+            elif name.endswith(".experts"):
+                for param in module.parameters(recurse=False):
+                    for expert in param:
+                        round_trip(expert)
+    return fake

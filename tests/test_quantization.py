@@ -14,7 +14,7 @@ from anna.model.quantization import (dequantize_int4, dequantize_int8, pack_int4
                                      unpack_int4)
 from anna.runtime.engine import LLMEngine
 from conftest import engine_settings
-from helpers import hf_logits, run_logits
+from helpers import fake_quantized, hf_logits, run_logits
 
 PROMPT = [(i * 29 + 7) % 700 + 3 for i in range(37)]
 
@@ -157,22 +157,6 @@ def test_auto_routes_by_m(kernels):
     assert layer.uses_packed_kernel(4) and not layer.uses_packed_kernel(5)
     layer.policy.int4_gemv_m_threshold = 0
     assert not layer.uses_packed_kernel(1)  # 0 means always dequant
-
-
-def fake_quantized(model, quant: str, group: int = 32):
-    """A copy of the transformers model whose linear weights are replaced by their dequantized values."""
-    import copy
-
-    fake = copy.deepcopy(model)
-    with torch.no_grad():
-        for module in fake.modules():
-            if isinstance(module, torch.nn.Linear):
-                w = module.weight
-                if quant == "int8":
-                    w.copy_(dequantize_int8(*quantize_int8(w)))
-                else:
-                    w.copy_(dequantize_int4(*quantize_int4(w, group), group))
-    return fake
 
 
 @pytest.mark.parametrize("quant, bound", [("int8", 0.04), ("int4", 0.35)])

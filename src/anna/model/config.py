@@ -41,7 +41,20 @@ class ModelConfig:
     torch_dtype: str | None = None
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
+    moe: MoeConfig | None = None  # a mixture-of-experts model
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """The experts of a mixture-of-experts model (Mixtral, Qwen2-MoE, Qwen3-MoE)."""
+
+    num_experts: int
+    top_k: int  # experts per token
+    intermediate_size: int  # of each routed expert
+    renormalize: bool  # the top-k routing weights are rescaled to sum to 1 (Mixtral; norm_topk_prob)
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE: a dense expert every token takes, sigmoid-gated
+    sparse_layers: tuple[bool, ...] = ()  # per layer: experts (True) or a dense MLP (False)
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -130,13 +143,16 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         gen = {}
     eos = _as_id_list(gen.get("eos_token_id", cfg.get("eos_token_id")))
     attention_bias = bool(cfg.get("attention_bias", False))
+    num_layers = int(need("num_hidden_layers"))
+    intermediate = int(need("intermediate_size"))
+    moe = _moe_config(cfg, num_layers, intermediate, path) if family.moe else None
     return ModelConfig(
         architecture=arch,
         model_type=str(cfg.get("model_type", "")),
         vocab_size=int(need("vocab_size")),
         hidden_size=hidden,
-        intermediate_size=int(need("intermediate_size")),
-        num_hidden_layers=int(need("num_hidden_layers")),
+        intermediate_size=intermediate,
+        num_hidden_layers=num_layers,
         num_attention_heads=num_heads,
         num_key_value_heads=int(cfg.get("num_key_value_heads") or num_heads),
         head_dim=int(head_dim),
@@ -146,7 +162,7 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         rope_scaling=rope_scaling,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         hidden_act=str(cfg.get("hidden_act", "silu")),
-        attention_bias=family.qkv_bias or attention_bias,
+        attention_bias=(family.qkv_bias and bool(cfg.get("qkv_bias", True))) or attention_bias,
         o_proj_bias=attention_bias,
         mlp_bias=bool(cfg.get("mlp_bias", False)),
         qk_norm=family.qk_norm,
@@ -154,5 +170,25 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         torch_dtype=cfg.get("dtype") or cfg.get("torch_dtype"),
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=eos,
+        moe=moe,
         raw=cfg,
     )
+
+
+def _moe_config(cfg: dict[str, Any], num_layers: int, intermediate: int, path: Path) -> MoeConfig:
+    """The expert count is ``num_experts`` (Qwen) or ``num_local_experts`` (Mixtral, and what
+    transformers 5 writes for all). Which layers have experts follows transformers: every
+    ``decoder_sparse_step``-th layer that ``mlp_only_layers`` does not list."""
+    num_experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+    top_k = int(cfg.get("num_experts_per_tok") or 0)
+    if num_experts < 1 or not 1 <= top_k <= num_experts:
+        raise ModelLoadError(f"{path}: {num_experts} experts with num_experts_per_tok={top_k} is not a mixture of "
+                             "experts (need 1 <= num_experts_per_tok <= num_experts)")
+    step = int(cfg.get("decoder_sparse_step") or 1)
+    dense = set(cfg.get("mlp_only_layers") or [])
+    return MoeConfig(
+        num_experts=num_experts, top_k=top_k,
+        intermediate_size=int(cfg.get("moe_intermediate_size") or intermediate),
+        renormalize=bool(cfg.get("norm_topk_prob", True)),  # Mixtral has no such key and always renormalizes
+        shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0),
+        sparse_layers=tuple(i not in dense and (i + 1) % step == 0 for i in range(num_layers)))

@@ -1,4 +1,5 @@
-"""The Llama family: Llama 2/3, Mistral, Qwen2/2.5 and Qwen3 as one decoder.
+"""The Llama family: Llama 2/3, Mistral, Qwen2/2.5 and Qwen3 as one decoder, and their
+mixture-of-experts variants (Mixtral, Qwen2-MoE, Qwen3-MoE), whose MLPs are expert layers (moe.py).
 
 The model knows tensors and attention metadata, never requests. ``forward`` takes the
 flattened new tokens of a batch and returns their hidden states; ``compute_logits`` maps the
@@ -19,6 +20,8 @@ from anna.model.cpu_kernels import WEIGHT_TYPES, AnnaLayer, AnnaLinear
 from anna.model.layers import GatedMLP, RMSNorm, RopeBatch, RotaryEmbedding, apply_rotary
 from anna.model.linear import (DEFAULT_POLICY, KernelPolicy, Linear, QuantLinear, check_shape, make_linear,
                                profiled)
+from anna.model.moe import SparseMoE
+from anna.model.registry import ARCHITECTURES
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -62,12 +65,16 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, policy: KernelPolicy) -> None:
+    def __init__(self, cfg: ModelConfig, index: int, dtype: torch.dtype, policy: KernelPolicy) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, policy)
         self.self_attn = Attention(cfg, dtype, policy)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, policy)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, cfg.hidden_act, dtype, policy)
+        self.mlp: GatedMLP | SparseMoE
+        if cfg.moe is not None and cfg.moe.sparse_layers[index]:
+            self.mlp = SparseMoE(cfg.hidden_size, cfg.moe, cfg.mlp_bias, cfg.hidden_act, dtype, policy)
+        else:
+            self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, cfg.hidden_act, dtype, policy)
 
     def forward(self, rope: RopeBatch, hidden: torch.Tensor, residual: torch.Tensor | None, kv_cache: KVCache,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -98,7 +105,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = cfg
         self.activation_dtype = activation_dtype or dtype
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, torch.float32)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, policy) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype, policy) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, policy)
         self.lm_head = make_linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, policy=policy)
         self.lm_head.profile_name = "lm_head"
@@ -142,7 +149,7 @@ class LlamaForCausalLM(nn.Module):
                 or kv_caches[0][0].dtype != torch.float32):
             return False
         if getattr(self, "_fusable", None) is None:
-            self._fusable = all(lin.interleaved for layer in self.layers
+            self._fusable = self.config.moe is None and all(lin.interleaved for layer in self.layers
                                 for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                                             layer.mlp.gate_up_proj, layer.mlp.down_proj))
         if not self._fusable:
@@ -201,7 +208,7 @@ class LlamaForCausalLM(nn.Module):
                         names = [(f"{prefix}.{kind}".replace(fused, fragment), shard)
                                  for fragment, (fused, shard) in STACKED_PARAMS.items() if fused in prefix + "."]
                     for ckpt, shard in names:
-                        targets[ckpt] = partial(_load_linear, module, kind, shard)
+                        targets[self._checkpoint_name(ckpt)] = partial(_load_linear, module, kind, shard)
             elif isinstance(module, RMSNorm):
                 targets[f"model.{mod_name}.weight"] = partial(_copy_into, module.weight)
         if self.embed_tokens is not None:
@@ -211,6 +218,12 @@ class LlamaForCausalLM(nn.Module):
             if self.embed_tokens is None:  # quantized: the embedding checkpoint tensor feeds the lm_head
                 targets["model.embed_tokens.weight"] = loader
         return targets
+
+    def _checkpoint_name(self, name: str) -> str:
+        """A tensor's name in the checkpoints of this family (e.g. Mixtral's block_sparse_moe.experts.N.w1)."""
+        for ours, theirs in ARCHITECTURES[self.config.architecture].checkpoint_names:
+            name = name.replace(ours, theirs)
+        return name
 
     def interleave_for_cpu_kernels(self, converted: bool = False) -> None:
         """After loading: store the weights Anna's CPU kernel serves in the layout it reads

@@ -26,20 +26,24 @@ def resolve_compile_mode(mode: str, device: torch.device) -> str:
     return AUTO_MODE.get(device.type, "none") if mode == "auto" else mode
 
 
-def resolve_decode_executor(choice: str, device: torch.device, fused_available: bool, profiling: bool) -> str:
+def resolve_decode_executor(choice: str, device: torch.device, fused_available: bool, profiling: bool,
+                            moe: bool = False) -> str:
     """``graph`` or ``eager``. On CPU the graph executor is Anna's fused C decode stack (one call for
     all layers), measured faster than layer by layer (docs/BENCHMARKS.md), so auto picks it. On
     CUDA it replays captured CUDA graphs (runtime/cuda_graphs.py) when asked for; auto stays eager
-    there until a GPU measurement says otherwise. Profiling times every op, so it runs eager."""
+    there until a GPU measurement says otherwise. Profiling times every op, so it runs eager, and
+    so do mixture-of-experts models: their layers pick experts on the host every step."""
     if choice == "eager":
         return "eager"
-    if device.type == "cpu" and fused_available and not profiling:
+    blocked = "--profile-runtime times each op" if profiling else \
+        "mixture-of-experts layers choose their experts on the host each step" if moe else None
+    if blocked is None and device.type == "cpu" and fused_available:
         return "graph"
-    if device.type == "cuda" and choice == "graph" and not profiling:
+    if blocked is None and device.type == "cuda" and choice == "graph":
         return "graph"
     if choice == "graph":
-        if profiling:
-            why = "--profile-runtime times each op"
+        if blocked is not None:
+            why = blocked
         elif device.type == "cpu":
             why = "needs Anna's CPU kernels"
         else:

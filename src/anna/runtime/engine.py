@@ -85,7 +85,7 @@ class LLMEngine:
         log.info("Resolved settings:\n%s", s.table())
         self.sampling_defaults = self._sampling_defaults()
         self.profiler = RuntimeProfiler(self.device) if s.profile_runtime else None
-        policy = self._kernel_policy()
+        policy = self._kernel_policy(moe=cfg.moe is not None)
         model = load_model(self.model_dir, cfg, dtype=self.dtype, device=self.device,
                            max_positions=max(self.max_model_len, cfg.max_position_embeddings),
                            pipeline_workers=s.weight_load_pipeline_workers, policy=policy,
@@ -134,14 +134,14 @@ class LLMEngine:
         self.groups: dict[str, RequestGroup] = {}
         self._seqs: dict[str, tuple[RequestGroup, SequenceState]] = {}
 
-    def _kernel_policy(self) -> KernelPolicy:
+    def _kernel_policy(self, moe: bool) -> KernelPolicy:
         s = self.settings
         cpu = (build_cpu_kernels(s.cache_dir, s.cpu_kernel_compiler) if s.cpu_kernels and self.device.type == "cpu"
                else None)
         if self.device.type == "cpu":
             log.info("CPU kernels: %s", f"Anna's (matmuls up to M={s.cpu_gemv_max_rows})" if cpu else "torch's")
         self.decode_executor = resolve_decode_executor(s.decode_executor, self.device, cpu is not None,
-                                                       profiling=self.profiler is not None)
+                                                       profiling=self.profiler is not None, moe=moe)
         log.info("Decode executor: %s", self.decode_executor)
         return KernelPolicy(cpu=cpu, cpu_gemv_max_rows=s.cpu_gemv_max_rows, cpu_upcast_min_rows=s.cpu_upcast_min_rows,
                             quantization=s.quantization, int4_group_size=s.int4_group_size,

@@ -1,0 +1,70 @@
+"""Mixture-of-experts MLP: a router picks each token's top-k experts, which are small gated MLPs.
+
+Tokens are grouped by expert (one sort of the batch's choices and one read-back of the counts
+per layer), and each expert that was chosen runs once over its tokens, so a step reads only the
+weights of the experts it uses: at decode that is what bounds the speed. The experts are the
+dense model's GatedMLP, so quantization and Anna's CPU kernels serve them as any other layer;
+the router stays unquantized (a few rows that decide everything downstream).
+
+Reading the counts back to the host is what keeps this layer out of captured graphs (the
+decode executor runs eager for these models).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from anna.model.config import MoeConfig
+from anna.model.layers import GatedMLP
+from anna.model.linear import DEFAULT_POLICY, KernelPolicy, Linear
+
+
+class SparseMoE(nn.Module):
+    def __init__(self, hidden: int, moe: MoeConfig, bias: bool, act: str, dtype: torch.dtype,
+                 policy: KernelPolicy = DEFAULT_POLICY) -> None:
+        super().__init__()
+        self.top_k, self.renormalize = moe.top_k, moe.renormalize
+        self.gate = Linear(hidden, moe.num_experts, bias=False, dtype=dtype, policy=policy)
+        self.experts = nn.ModuleList(GatedMLP(hidden, moe.intermediate_size, bias, act, dtype, policy)
+                                     for _ in range(moe.num_experts))
+        self.shared_expert = self.shared_expert_gate = None
+        if moe.shared_expert_intermediate_size:
+            self.shared_expert = GatedMLP(hidden, moe.shared_expert_intermediate_size, bias, act, dtype, policy)
+            self.shared_expert_gate = Linear(hidden, 1, bias=False, dtype=dtype, policy=policy)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's experts [T, top_k] and their weights (fp32), as transformers computes them:
+        a softmax over all experts in fp32, the top k, optionally rescaled to sum to 1."""
+        probs = torch.softmax(self.gate(x), dim=-1, dtype=torch.float32)
+        weights, experts = probs.topk(self.top_k, dim=-1)
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return experts, weights
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        experts, weights = self.route(x)
+        out = self.run_experts(x, experts, weights)
+        if self.shared_expert is not None:
+            out += torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
+
+    @torch.compiler.disable
+    def run_experts(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """sum over each token's experts of weight * expert(token). Left to eager under
+        torch.compile: traced, the counts read back would become constants and every step with
+        another routing would compile again."""
+        choices = experts.flatten()
+        order = choices.argsort(stable=True)  # the (token, k) choices grouped by expert
+        counts = torch.bincount(choices, minlength=len(self.experts)).tolist()
+        flat_weights = weights.flatten()
+        out = torch.zeros_like(x)
+        start = 0
+        for expert, count in zip(self.experts, counts):
+            if count:
+                picked = order[start:start + count]
+                tokens = picked // self.top_k
+                y = expert(x[tokens]) * flat_weights[picked, None]
+                out.index_add_(0, tokens, y.to(x.dtype))
+            start += count
+        return out
