@@ -2,6 +2,9 @@
 
     python benchmarks/make_random_model.py --shape qwen2.5-0.5b --out benchmarks/models/qwen2.5-0.5b
 
+--layers N keeps the first N layers of a shape: a mixture of experts such as Qwen3-30B-A3B does
+not fit this machine whole, but its per-layer cost (and so speed per layer) is the real one.
+
 The tokenizer is the demo model's (about 800 tokens) unless --tokenizer-vocab N asks for a
 byte-level BPE of N tokens trained on the Python standard library's sources, for benchmarks whose
 cost depends on the vocabulary (constrained decoding's token masks).
@@ -34,6 +37,11 @@ SHAPES = {
                          rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
                                        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
                          rms_norm_eps=1e-5, tie_word_embeddings=True),
+    "qwen3-30b-a3b": dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=2048,
+                          intermediate_size=6144, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
+                          head_dim=128, vocab_size=151936, max_position_embeddings=40960, rope_theta=1000000.0,
+                          rms_norm_eps=1e-6, tie_word_embeddings=False, num_experts=128, num_experts_per_tok=8,
+                          moe_intermediate_size=768, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[]),
 }
 
 
@@ -42,6 +50,7 @@ def tensor_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
     hd = cfg.get("head_dim") or h // cfg["num_attention_heads"]
     q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
     qwen2 = cfg["model_type"] == "qwen2"
+    experts, moe_inter = cfg.get("num_experts", 0), cfg.get("moe_intermediate_size", 0)
     shapes = {"model.embed_tokens.weight": (cfg["vocab_size"], h), "model.norm.weight": (h,)}
     if not cfg["tie_word_embeddings"]:
         shapes["lm_head.weight"] = (cfg["vocab_size"], h)
@@ -49,13 +58,17 @@ def tensor_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
         p = f"model.layers.{i}."
         shapes.update({p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
                        p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
-                       p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
-                       p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h),
-                       p + "mlp.down_proj.weight": (h, inter)})
+                       p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q)})
+        mlps = [(p + f"mlp.experts.{e}.", moe_inter) for e in range(experts)] or [(p + "mlp.", inter)]
+        for m, size in mlps:
+            shapes.update({m + "gate_proj.weight": (size, h), m + "up_proj.weight": (size, h),
+                           m + "down_proj.weight": (h, size)})
+        if experts:
+            shapes[p + "mlp.gate.weight"] = (experts, h)
         if qwen2:
             shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
                            p + "self_attn.v_proj.bias": (kv,)})
-        if cfg["model_type"] == "qwen3":
+        if cfg["model_type"] in ("qwen3", "qwen3_moe"):
             shapes.update({p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)})
     return shapes
 
@@ -85,8 +98,11 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tokenizer-vocab", type=int, default=0, help="Train a BPE tokenizer of this many tokens.")
+    ap.add_argument("--layers", type=int, default=0, help="Keep only this many layers of the shape.")
     args = ap.parse_args()
     cfg = dict(SHAPES[args.shape], torch_dtype=args.dtype, hidden_act="silu")
+    if args.layers:
+        cfg["num_hidden_layers"] = min(args.layers, cfg["num_hidden_layers"])
     args.out.mkdir(parents=True, exist_ok=True)
     if args.tokenizer_vocab:
         vocab, eos, endoftext = write_large_tokenizer(args.out, args.tokenizer_vocab)
@@ -106,7 +122,8 @@ def main() -> None:
             tensors[name] = (torch.randn(shape, generator=gen) * 0.02).to(dtype)
     save_file(tensors, str(args.out / "model.safetensors"))
     total = sum(t.numel() for t in tensors.values())
-    print(f"wrote {args.out}: {args.shape}, {total / 1e6:.0f}M parameters, {args.dtype}")
+    print(f"wrote {args.out}: {args.shape}, {cfg['num_hidden_layers']} layers, {total / 1e6:.0f}M parameters, "
+          f"{args.dtype}")
 
 
 if __name__ == "__main__":
