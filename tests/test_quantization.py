@@ -151,6 +151,29 @@ def test_packed_kernel_rows_do_not_depend_on_the_thread_count(kind, kernels):
             torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("kind, group", [("int8", 0), ("int4", 32), ("int4", 128)])
+def test_expert_kernel_equals_one_call_per_expert(kind, group, kernels):
+    """anna_qgemm_experts (several experts' matmuls in one call, as a mixture-of-experts layer
+    runs them) gives exactly what one qgemm per expert gives: with 107 rows per expert (int4: an
+    odd block of 8 and a tail; int8: a tail), groups of 1 to 9 rows, an unused expert and
+    experts out of order."""
+    layers = []
+    for seed in range(4):
+        policy = KernelPolicy(cpu=kernels, quantization=kind, int4_group_size=group or 32, int4_matmul="packed")
+        layer = QuantLinear(256, 107, bias=False, dtype=torch.float32, policy=policy)
+        layer.load("weight", 0, torch.randn(107, 256, generator=torch.Generator().manual_seed(seed)) * 0.1, "w", "t")
+        layer.interleave_for_cpu_kernel()
+        layers.append(layer)
+    weights = torch.tensor([lin.qweight.data_ptr() for lin in layers], dtype=torch.int64)
+    scales = torch.tensor([lin.scales.data_ptr() for lin in layers], dtype=torch.int64)
+    ids, sizes = [3, 0, 2], [9, 1, 4]  # expert 1 unused
+    starts = torch.tensor([0, 9, 10, 14], dtype=torch.int64)
+    x = torch.randn(sum(sizes), 256)
+    out = kernels.qgemm_experts(x, weights, scales, torch.tensor(ids), starts, layers[0].kind, layers[0].group, 107)
+    expected = torch.cat([layers[e](x[starts[g]:starts[g + 1]]) for g, e in enumerate(ids)])
+    assert torch.equal(out, expected)
+
+
 def test_auto_routes_by_m(kernels):
     layer = make_layer("int4", 32, kernels, "auto")
     layer.interleave_for_cpu_kernel()

@@ -64,13 +64,14 @@ class CpuKernels:
         lib.anna_silu_mul.argtypes = [p, p, l, l, i]
         lib.anna_paged_decode_attention.argtypes = [p, p, p, p, l, p, l, l, l, l, l, l, f, p, i]
         lib.anna_qgemm.argtypes = [p, p, p, i, l, p, p, l, l, l, i]
+        lib.anna_qgemm_experts.argtypes = [p, p, p, p, p, l, i, l, p, l, l, i]
         lib.anna_dequant.argtypes = [p, p, i, l, p, l, l, l, p, i]
         lib.anna_decode_layers.argtypes = [ctypes.POINTER(AnnaLayer), l, p, l, l, l, l, l, l, f, p, p, p, l, p, l, l,
                                            f, p, p, p, p, i]
         lib.anna_argmax_rows.argtypes = [p, l, l, p, i]
         for fn in (lib.anna_gemv, lib.anna_deinterleave_rows, lib.anna_add_rmsnorm, lib.anna_rotary, lib.anna_silu_mul,
-                   lib.anna_paged_decode_attention, lib.anna_qgemm, lib.anna_dequant, lib.anna_decode_layers,
-                   lib.anna_argmax_rows):
+                   lib.anna_paged_decode_attention, lib.anna_qgemm, lib.anna_qgemm_experts, lib.anna_dequant,
+                   lib.anna_decode_layers, lib.anna_argmax_rows):
             fn.restype = None
         self.lib = lib
         self._scratch = torch.empty(0, dtype=torch.float32)  # see unpack_rows
@@ -129,6 +130,18 @@ class CpuKernels:
         self.lib.anna_qgemm(x2.data_ptr(), qweight.data_ptr(), scales.data_ptr(), kind, group, _ptr(b), y.data_ptr(),
                             rows, n, k, torch.get_num_threads())
         return y.view(*x.shape[:-1], n)
+
+    def qgemm_experts(self, x: torch.Tensor, weights: torch.Tensor, scales: torch.Tensor, ids: torch.Tensor,
+                      starts: torch.Tensor, kind: int, group: int, n: int) -> torch.Tensor:
+        """qgemm of several experts in one call: rows [starts[g], starts[g + 1]) of x [rows, K] times
+        expert ids[g]'s weight, whose qweight and scales are at weights[ids[g]], scales[ids[g]]
+        (int64 tables of data pointers; every expert [n, K], same kind and group, no bias)."""
+        x2 = x.float().contiguous()
+        y = torch.empty(x2.shape[0], n, dtype=torch.float32)
+        self.lib.anna_qgemm_experts(x2.data_ptr(), weights.data_ptr(), scales.data_ptr(), ids.data_ptr(),
+                                    starts.data_ptr(), ids.numel(), kind, group, y.data_ptr(), n, x2.shape[1],
+                                    torch.get_num_threads())
+        return y
 
     def dequant(self, qweight: torch.Tensor, scales: torch.Tensor, kind: int, group: int, k: int,
                 rows: torch.Tensor | None = None) -> torch.Tensor:

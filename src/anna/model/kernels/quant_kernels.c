@@ -265,15 +265,21 @@ static void run_int4(const int8_t *xq, const float *xs, const int32_t *xo, const
     }
 }
 
-/* kind: 0 = int8, 1 = int4. ws: int8 row scales [N] (fp32) or int4 group scales (fp16, layouts above). */
-void anna_qgemm(const float *x, const void *w, const void *ws, int kind, long G, const float *bias, float *y,
-                long M, long N, long K, int threads) {
-    long blocks = K / 32;
+/* Several matmuls in one parallel region: group g multiplies rows [starts[g], starts[g + 1]) of x
+ * by the weights w[g] (scales ws[g], bias[g] or none) into the same rows of y. Every group has the
+ * same N and K. x is quantized once, and the units of all groups form one range that the threads
+ * share, so that many small matmuls (a mixture-of-experts layer's experts, a few rows each) keep
+ * every thread streaming instead of each paying a parallel region of its own.
+ * kind: 0 = int8, 1 = int4. ws: int8 row scales [N] (fp32) or int4 group scales (fp16, layouts above). */
+static void qgemm_groups(const float *x, const void *const *w, const void *const *ws, const float *const *bias,
+                         const int64_t *starts, long groups, int kind, long G, float *y, long N, long K, int threads) {
+    long M = starts[groups], blocks = K / 32;
     int8_t *xq = (int8_t *)malloc(M * K);
     float *xs = (float *)malloc(sizeof(float) * M * blocks);
     int32_t *xo = (int32_t *)malloc(sizeof(int32_t) * M * blocks);
     long unit = kind == 0 ? PACK_ROWS : 2 * LANE_ROWS;  /* rows per unit of work */
-    long packed = kind == 0 ? N / PACK_ROWS * PACK_ROWS : N / LANE_ROWS * LANE_ROWS, units = packed / unit;
+    long packed = kind == 0 ? N / PACK_ROWS * PACK_ROWS : N / LANE_ROWS * LANE_ROWS, per_group = packed / unit;
+    long units = per_group * groups;
     split_range ranges[SPLIT_MAX_THREADS];
     if (threads > SPLIT_MAX_THREADS) threads = SPLIT_MAX_THREADS;
     #pragma omp parallel num_threads(threads)
@@ -285,24 +291,63 @@ void anna_qgemm(const float *x, const void *w, const void *ws, int kind, long G,
             quantize_x_row(x + m * K, xq + m * K, xs + m * blocks, xo + m * blocks, K);
         #pragma omp barrier
         while (split_next(ranges, units, t, nt, &visited, &b, &e)) {
-            if (kind == 0)
-                run_s8(xq, xs, (const int8_t *)w, (const float *)ws, bias, y, M, N, K, b * unit, e * unit);
-            else
-                run_int4(xq, xs, xo, (const uint8_t *)w, (const uint16_t *)ws, bias, y, M, N, K, G, b, e, 0);
+            while (b < e) {  /* the chunk, cut at group boundaries */
+                long g = b / per_group, u0 = b - g * per_group, u1 = e - g * per_group;
+                if (u1 > per_group) u1 = per_group;
+                long m0 = starts[g], rows = starts[g + 1] - m0;
+                if (kind == 0)
+                    run_s8(xq + m0 * K, xs + m0 * blocks, (const int8_t *)w[g], (const float *)ws[g], bias[g],
+                           y + m0 * N, rows, N, K, u0 * unit, u1 * unit);
+                else
+                    run_int4(xq + m0 * K, xs + m0 * blocks, xo + m0 * blocks, (const uint8_t *)w[g],
+                             (const uint16_t *)ws[g], bias[g], y + m0 * N, rows, N, K, G, u0, u1, 0);
+                b += u1 - u0;
+            }
         }
         if (t == nt - 1) {
-            /* int4: the odd block of 8 rows; both kinds: the row-major tail rows */
-            if (kind == 1 && units * unit < packed)
-                run_int4(xq, xs, xo, (const uint8_t *)w, (const uint16_t *)ws, bias, y, M, N, K, G, units, units, 1);
-            for (long n = packed; n < N; n++)
-                for (long m = 0; m < M; m++)
-                    y[m * N + n] = row_dot(kind, w, ws, n, K, G, xq + m * K, xs + m * blocks, xo + m * blocks) +
-                                   (bias ? bias[n] : 0.0f);
+            for (long g = 0; g < groups; g++) {
+                long m0 = starts[g], rows = starts[g + 1] - m0;
+                const int8_t *gq = xq + m0 * K;
+                const float *gs = xs + m0 * blocks;
+                const int32_t *go = xo + m0 * blocks;
+                float *gy = y + m0 * N;
+                /* int4: the odd block of 8 rows; both kinds: the row-major tail rows */
+                if (kind == 1 && per_group * unit < packed)
+                    run_int4(gq, gs, go, (const uint8_t *)w[g], (const uint16_t *)ws[g], bias[g], gy, rows, N, K, G,
+                             per_group, per_group, 1);
+                for (long n = packed; n < N; n++)
+                    for (long m = 0; m < rows; m++)
+                        gy[m * N + n] = row_dot(kind, w[g], ws[g], n, K, G, gq + m * K, gs + m * blocks,
+                                                go + m * blocks) + (bias[g] ? bias[g][n] : 0.0f);
+            }
         }
     }
     free(xq);
     free(xs);
     free(xo);
+}
+
+void anna_qgemm(const float *x, const void *w, const void *ws, int kind, long G, const float *bias, float *y,
+                long M, long N, long K, int threads) {
+    int64_t starts[2] = {0, M};
+    qgemm_groups(x, &w, &ws, &bias, starts, 1, kind, G, y, N, K, threads);
+}
+
+/* Group g: rows [starts[g], starts[g + 1]) of x times the weights of expert ids[g], whose values and
+ * scales are at w[ids[g]], ws[ids[g]] (tables of every expert's pointers, kept by the caller). */
+void anna_qgemm_experts(const float *x, const int64_t *w, const int64_t *ws, const int64_t *ids, const int64_t *starts,
+                        long groups, int kind, long G, float *y, long N, long K, int threads) {
+    const void **gw = (const void **)malloc(sizeof(void *) * groups);
+    const void **gs = (const void **)malloc(sizeof(void *) * groups);
+    const float **gb = (const float **)calloc(groups, sizeof(float *));
+    for (long g = 0; g < groups; g++) {
+        gw[g] = (const void *)(intptr_t)w[ids[g]];
+        gs[g] = (const void *)(intptr_t)ws[ids[g]];
+    }
+    qgemm_groups(x, gw, gs, gb, starts, groups, kind, G, y, N, K, threads);
+    free(gw);
+    free(gs);
+    free(gb);
 }
 
 /* Dequantize rows of packed weights (all N when rows is NULL, else the R listed) to fp32
