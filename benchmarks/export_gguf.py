@@ -1,5 +1,5 @@
-"""Write a Qwen2-family benchmark model as an F16 GGUF file, so that llama.cpp can be measured on
-the same shapes and the same machine as Anna (llama-bench, llama-server).
+"""Write a Qwen2, Qwen3 or Qwen3-MoE benchmark model as an F16 GGUF file, so that llama.cpp can be
+measured on the same shapes and the same machine as Anna (llama-bench, llama-server).
 
     pip install gguf
     python benchmarks/export_gguf.py --model benchmarks/models/qwen2.5-0.5b --out /tmp/qwen2.5-0.5b-f16.gguf
@@ -26,7 +26,12 @@ LAYER_NAMES = {
     "self_attn.v_proj.weight": "attn_v.weight", "self_attn.v_proj.bias": "attn_v.bias",
     "self_attn.o_proj.weight": "attn_output.weight", "mlp.gate_proj.weight": "ffn_gate.weight",
     "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "mlp.gate.weight": "ffn_gate_inp.weight",
 }
+EXPERT_NAMES = {"gate_proj": "ffn_gate_exps.weight", "up_proj": "ffn_up_exps.weight",
+                "down_proj": "ffn_down_exps.weight"}  # one [experts, rows, cols] tensor each
+ARCHS = {"qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3moe"}
 TOP_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
              "lm_head.weight": "output.weight"}
 
@@ -66,11 +71,12 @@ def add_vocabulary(writer: gguf.GGUFWriter, model_dir: Path, vocab_size: int, ge
 
 def export(model_dir: Path, out: Path) -> None:
     cfg = json.loads((model_dir / "config.json").read_text())
-    if cfg.get("model_type") != "qwen2":
-        raise SystemExit(f"{model_dir}: only qwen2 models are exported (model_type={cfg.get('model_type')!r})")
+    arch = ARCHS.get(cfg.get("model_type"))
+    if arch is None:
+        raise SystemExit(f"{model_dir}: model_type {cfg.get('model_type')!r} is not exported ({', '.join(ARCHS)} are)")
     gen_path = model_dir / "generation_config.json"
     gen = json.loads(gen_path.read_text()) if gen_path.exists() else {}
-    writer = gguf.GGUFWriter(str(out), "qwen2")
+    writer = gguf.GGUFWriter(str(out), arch)
     writer.add_name(model_dir.name)
     writer.add_context_length(cfg["max_position_embeddings"])
     writer.add_embedding_length(cfg["hidden_size"])
@@ -78,14 +84,28 @@ def export(model_dir: Path, out: Path) -> None:
     writer.add_feed_forward_length(cfg["intermediate_size"])
     writer.add_head_count(cfg["num_attention_heads"])
     writer.add_head_count_kv(cfg["num_key_value_heads"])
+    if cfg.get("head_dim"):
+        writer.add_key_length(cfg["head_dim"])
+        writer.add_value_length(cfg["head_dim"])
+    if cfg.get("num_experts"):
+        writer.add_expert_count(cfg["num_experts"])
+        writer.add_expert_used_count(cfg["num_experts_per_tok"])
+        writer.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
     writer.add_rope_freq_base(cfg["rope_theta"])
     writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
     add_vocabulary(writer, model_dir, cfg["vocab_size"], gen)
+    experts: dict[tuple[str, str], dict[int, np.ndarray]] = {}  # (layer, projection) -> expert -> matrix
     for path in sorted(model_dir.glob("*.safetensors")):
         for name, tensor in load_file(path).items():
             array = tensor.float().numpy()  # llama.cpp keeps norms and biases in F32, matrices in F16
+            if ".mlp.experts." in name:  # model.layers.{i}.mlp.experts.{e}.{proj}.weight
+                _, _, layer, _, _, expert, proj, _ = name.split(".")
+                experts.setdefault((layer, proj), {})[int(expert)] = array.astype(np.float16)
+                continue
             writer.add_tensor(gguf_name(name), array if array.ndim == 1 else array.astype(np.float16))
+    for (layer, proj), by_expert in sorted(experts.items()):
+        writer.add_tensor(f"blk.{layer}.{EXPERT_NAMES[proj]}", np.stack([by_expert[e] for e in sorted(by_expert)]))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
