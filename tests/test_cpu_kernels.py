@@ -60,6 +60,23 @@ def test_gemv_rows_do_not_depend_on_the_thread_count(kernels):
                 torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_expert_gemv_equals_one_call_per_expert(kernels, dtype):
+    """anna_gemv_experts (several experts' matmuls in one call, as a mixture-of-experts layer runs
+    them) gives exactly what one gemv per expert gives: 67 rows (a tail of 3), groups of 1 to 7
+    rows (7: the path that converts blocks to fp32 first), an unused expert, experts out of order."""
+    from anna.model.cpu_kernels import WEIGHT_TYPES
+
+    torch.manual_seed(2)
+    experts = [interleave_rows(torch.randn(67, 64).to(dtype)) for _ in range(4)]
+    table = torch.tensor([w.data_ptr() for w in experts], dtype=torch.int64)
+    ids, starts = [3, 0, 2], torch.tensor([0, 7, 8, 12], dtype=torch.int64)  # expert 1 unused
+    x = torch.randn(12, 64)
+    out = kernels.gemv_experts(x, table, torch.tensor(ids), starts, WEIGHT_TYPES[dtype], 67)
+    expected = torch.cat([kernels.gemv(x[starts[g]:starts[g + 1]], experts[e], None) for g, e in enumerate(ids)])
+    assert torch.equal(out, expected)
+
+
 def test_linear_packs_once_and_serves_every_route(kernels):
     """An interleaved Linear gives torch's result through the kernel (small M) and through the fp32
     GEMM on the unpacked weight (M above cpu_gemv_max_rows)."""

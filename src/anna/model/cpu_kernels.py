@@ -58,6 +58,7 @@ class CpuKernels:
         lib = ctypes.CDLL(str(library))
         p, i, l, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
         lib.anna_gemv.argtypes = [p, p, i, p, p, i, l, l, i]
+        lib.anna_gemv_experts.argtypes = [p, p, p, p, l, i, p, l, l, i]
         lib.anna_deinterleave_rows.argtypes = [p, i, l, l, p, i]
         lib.anna_add_rmsnorm.argtypes = [p, p, p, i, p, l, l, f, i]
         lib.anna_rotary.argtypes = [p, l, l, l, l, p, p, p]
@@ -69,7 +70,7 @@ class CpuKernels:
         lib.anna_decode_layers.argtypes = [ctypes.POINTER(AnnaLayer), l, p, l, l, l, l, l, l, f, p, p, p, l, p, l, l,
                                            f, p, p, p, p, i]
         lib.anna_argmax_rows.argtypes = [p, l, l, p, i]
-        for fn in (lib.anna_gemv, lib.anna_deinterleave_rows, lib.anna_add_rmsnorm, lib.anna_rotary, lib.anna_silu_mul,
+        for fn in (lib.anna_gemv, lib.anna_gemv_experts, lib.anna_deinterleave_rows, lib.anna_add_rmsnorm, lib.anna_rotary, lib.anna_silu_mul,
                    lib.anna_paged_decode_attention, lib.anna_qgemm, lib.anna_qgemm_experts, lib.anna_dequant,
                    lib.anna_decode_layers, lib.anna_argmax_rows):
             fn.restype = None
@@ -92,6 +93,17 @@ class CpuKernels:
         self.lib.anna_gemv(x2.data_ptr(), weight.data_ptr(), WEIGHT_TYPES[weight.dtype], _ptr(b), y.data_ptr(),
                            rows, n, k, torch.get_num_threads())
         return y.view(*x.shape[:-1], n)
+
+    def gemv_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, starts: torch.Tensor,
+                     wtype: int, n: int) -> torch.Tensor:
+        """gemv of several experts in one call: rows [starts[g], starts[g + 1]) of x [rows, K] times
+        expert ids[g]'s weight, at weights[ids[g]] (an int64 table of data pointers; every expert
+        [n, K] of type ``wtype`` in interleave_rows' layout, no bias)."""
+        x2 = x.float().contiguous()
+        y = torch.empty(x2.shape[0], n, dtype=torch.float32)
+        self.lib.anna_gemv_experts(x2.data_ptr(), weights.data_ptr(), ids.data_ptr(), starts.data_ptr(), ids.numel(),
+                                   wtype, y.data_ptr(), n, x2.shape[1], torch.get_num_threads())
+        return y
 
     def _matmul_operand(self, n: int, k: int) -> torch.Tensor:
         """An fp32 [n, k] buffer for a weight that one matmul reads and drops: weights up to

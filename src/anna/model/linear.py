@@ -156,6 +156,10 @@ class Linear(nn.Module):
             self.weight.data = interleave_rows(self.weight.data)
         self.interleaved = True
 
+    def uses_gemv_kernel(self, rows: int) -> bool:
+        """Whether a CPU matmul of this many rows of x runs Anna's weight-streaming kernel."""
+        return self.interleaved and rows <= self.policy.cpu_gemv_max_rows
+
     def weight_rows(self, rows: torch.Tensor) -> torch.Tensor:
         """Rows of the weight, row-major, whatever its layout (embedding lookups of a tied lm_head)."""
         return gather_interleaved_rows(self.weight, rows) if self.interleaved else self.weight[rows]
@@ -166,7 +170,7 @@ class Linear(nn.Module):
             with profiled(policy, self.profile_name or "matmul:torch"):
                 return F.linear(x, w, self.bias)
         rows = x.numel() // x.shape[-1]
-        if self.interleaved and rows <= policy.cpu_gemv_max_rows:
+        if self.uses_gemv_kernel(rows):
             with profiled(policy, self.profile_name or "matmul:anna_gemv"):
                 return policy.cpu.gemv(x, w, self.bias).to(x.dtype)
         if self.interleaved:  # a large M: torch's GEMM on the row-major weight, upcast to fp32 on the way

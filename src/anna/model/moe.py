@@ -4,9 +4,10 @@ Tokens are grouped by expert (one sort of the batch's choices and one read-back 
 per layer), and each expert that was chosen runs once over its tokens, so a step reads only the
 weights of the experts it uses: at decode that is what bounds the speed. The experts are the
 dense model's GatedMLP, so quantization and Anna's CPU kernels serve them as any other layer;
-the router stays unquantized (a few rows that decide everything downstream). Quantized experts
-on CPU go further: all chosen experts' gate_up matmuls run in one kernel call, then all their
-down matmuls in another (anna_qgemm_experts), rather than a dozen small calls per expert.
+the router stays unquantized (a few rows that decide everything downstream). Where Anna's CPU
+kernels serve the experts, all chosen experts' gate_up matmuls run in one kernel call, then all
+their down matmuls in another (anna_qgemm_experts / anna_gemv_experts), rather than a few small
+calls per expert.
 
 Reading the counts back to the host is what keeps this layer out of captured graphs (the
 decode executor runs eager for these models).
@@ -20,6 +21,7 @@ import torch
 from torch import nn
 
 from anna.model.config import MoeConfig
+from anna.model.cpu_kernels import WEIGHT_TYPES
 from anna.model.layers import GatedMLP
 from anna.model.linear import DEFAULT_POLICY, KernelPolicy, Linear, QuantLinear, profiled
 
@@ -64,8 +66,8 @@ class SparseMoE(nn.Module):
         counts = torch.bincount(choices, minlength=len(self.experts)).tolist()
         tokens = order // self.top_k
         rows = x[tokens]  # each choice's input, grouped by expert
-        if self._packed_kernel_serves(x, max(counts)):
-            y = self._experts_packed(rows, counts)
+        if self._grouped_kernels_serve(x, max(counts)):
+            y = self._experts_grouped(rows, counts)
         else:
             y = torch.empty_like(rows)
             start = 0
@@ -76,35 +78,50 @@ class SparseMoE(nn.Module):
         y = y * weights.flatten()[order, None]
         return torch.zeros_like(x).index_add_(0, tokens, y.to(x.dtype))
 
-    def _packed_kernel_serves(self, x: torch.Tensor, most_rows: int) -> bool:
-        """Quantized experts that the packed CPU kernel serves at this many rows run in one call per
-        projection (anna_qgemm_experts) instead of one per expert."""
-        first = self.experts[0]
-        return (x.device.type == "cpu" and isinstance(first.gate_up_proj, QuantLinear)
-                and first.gate_up_proj.bias is None and first.gate_up_proj.uses_packed_kernel(most_rows)
-                and first.down_proj.uses_packed_kernel(most_rows))
+    def _grouped_kernels_serve(self, x: torch.Tensor, most_rows: int) -> bool:
+        """Where Anna's CPU kernels would serve every expert's matmuls (the packed quantized kernel,
+        or the weight-streaming one), all experts run in one call per projection instead."""
+        gate_up, down = self.experts[0].gate_up_proj, self.experts[0].down_proj
+        if x.device.type != "cpu" or gate_up.bias is not None:
+            return False
+        if isinstance(gate_up, QuantLinear):
+            return gate_up.uses_packed_kernel(most_rows) and down.uses_packed_kernel(most_rows)
+        return gate_up.uses_gemv_kernel(most_rows) and down.uses_gemv_kernel(most_rows)
 
-    def _experts_packed(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    def _experts_grouped(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
         active = [e for e, count in enumerate(counts) if count]
         ids = torch.tensor(active, dtype=torch.long)
         starts = torch.tensor([0, *accumulate(counts[e] for e in active)], dtype=torch.long)
         gate_up_tables, down_tables = self._pointer_tables()
         gate_up, down = self.experts[0].gate_up_proj, self.experts[0].down_proj
-        cpu = gate_up.policy.cpu
-        with profiled(gate_up.policy, "matmul:experts_packed"):
-            h = cpu.qgemm_experts(rows, *gate_up_tables, ids, starts, gate_up.kind, gate_up.group,
-                                  gate_up.out_features)
-            h = cpu.silu_mul(h)
-            return cpu.qgemm_experts(h, *down_tables, ids, starts, down.kind, down.group, down.out_features)
+        with profiled(gate_up.policy, "matmul:experts_grouped"):
+            h = _grouped_matmul(gate_up, gate_up_tables, rows, ids, starts)
+            return _grouped_matmul(down, down_tables, gate_up.policy.cpu.silu_mul(h), ids, starts)
 
-    def _pointer_tables(self) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
-        """Every expert's (qweight, scales) data pointers per projection, built once (rebuilt if the
-        weights moved, e.g. onto huge pages)."""
-        key = self.experts[0].gate_up_proj.qweight.data_ptr()
+    def _pointer_tables(self) -> tuple[PointerTable, PointerTable]:
+        """Every expert's weight data pointers per projection, built once (rebuilt if the weights
+        moved, e.g. onto huge pages)."""
+        key = _weight_tensors(self.experts[0].gate_up_proj)[0].data_ptr()
         if self._tables is None or self._tables[0] != key:
-            def table(name: str) -> tuple[torch.Tensor, torch.Tensor]:
-                layers = [getattr(expert, name) for expert in self.experts]
-                return (torch.tensor([lin.qweight.data_ptr() for lin in layers], dtype=torch.int64),
-                        torch.tensor([lin.scales.data_ptr() for lin in layers], dtype=torch.int64))
+            def table(name: str) -> PointerTable:
+                per_expert = [_weight_tensors(getattr(expert, name)) for expert in self.experts]
+                return tuple(torch.tensor([tensors[i].data_ptr() for tensors in per_expert], dtype=torch.int64)
+                             for i in range(len(per_expert[0])))
             self._tables = (key, table("gate_up_proj"), table("down_proj"))
         return self._tables[1], self._tables[2]
+
+
+PointerTable = tuple[torch.Tensor, ...]  # int64 data pointers of every expert: (weights,) or (qweights, scales)
+
+
+def _weight_tensors(linear: Linear | QuantLinear) -> tuple[torch.Tensor, ...]:
+    return (linear.qweight, linear.scales) if isinstance(linear, QuantLinear) else (linear.weight,)
+
+
+def _grouped_matmul(linear: Linear | QuantLinear, table: PointerTable, x: torch.Tensor, ids: torch.Tensor,
+                    starts: torch.Tensor) -> torch.Tensor:
+    """The experts' matmuls of one projection (``linear`` is any expert's: they share shape and format)."""
+    cpu = linear.policy.cpu
+    if isinstance(linear, QuantLinear):
+        return cpu.qgemm_experts(x, *table, ids, starts, linear.kind, linear.group, linear.out_features)
+    return cpu.gemv_experts(x, *table, ids, starts, WEIGHT_TYPES[linear.weight.dtype], linear.out_features)

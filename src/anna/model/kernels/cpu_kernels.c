@@ -121,28 +121,61 @@ INLINE void run_tail(const float *x, const void *w, int wtype, const float *bias
         }
 }
 
-/* y[M, N] = x[M, K] . W^T (+ bias) with W's rows interleaved (see above). x, bias, y fp32; W bf16 (wtype 0),
- * fp16 (1) or fp32 (2). Threads share the blocks of rows (work_split.h); each block's weights are read once
- * for all of x. */
-void anna_gemv(const float *x, const void *w, int wtype, const float *bias, float *y, int M, long N, long K,
-               int threads) {
-    long blocks = N / PACK_ROWS, full = blocks * PACK_ROWS;
+/* Several matmuls in one parallel region: group g multiplies rows [starts[g], starts[g + 1]) of x by
+ * the weight w[g] (bias[g] or none) into the same rows of y; every group has the same N and K, and
+ * the blocks of all groups form one range that the threads share (many small matmuls, such as a
+ * mixture-of-experts layer's experts, then keep every thread streaming).
+ * x, bias, y fp32; W bf16 (wtype 0), fp16 (1) or fp32 (2), rows interleaved (see above). */
+static void gemv_groups(const float *x, const void *const *w, const float *const *bias, const int64_t *starts,
+                        long groups, int wtype, float *y, long N, long K, int threads) {
+    long per_group = N / PACK_ROWS, full = per_group * PACK_ROWS, units = per_group * groups;
     split_range ranges[SPLIT_MAX_THREADS];
     if (threads > SPLIT_MAX_THREADS) threads = SPLIT_MAX_THREADS;
     #pragma omp parallel num_threads(threads)
     {
         int t = omp_get_thread_num(), nt = omp_get_num_threads(), visited = 0;
         long b, e;
-        split_start(ranges, blocks, t, nt);
+        split_start(ranges, units, t, nt);
         #pragma omp barrier
-        while (split_next(ranges, blocks, t, nt, &visited, &b, &e)) {
-            /* wtype is a literal at each call, so the loops are compiled once per type */
-            if (wtype == 0) run_blocks(x, w, 0, bias, y, M, N, b * PACK_ROWS, e * PACK_ROWS, K);
-            else if (wtype == 1) run_blocks(x, w, 1, bias, y, M, N, b * PACK_ROWS, e * PACK_ROWS, K);
-            else run_blocks(x, w, 2, bias, y, M, N, b * PACK_ROWS, e * PACK_ROWS, K);
+        while (split_next(ranges, units, t, nt, &visited, &b, &e)) {
+            while (b < e) {  /* the chunk, cut at group boundaries */
+                long g = b / per_group, u0 = b - g * per_group, u1 = e - g * per_group;
+                if (u1 > per_group) u1 = per_group;
+                long m0 = starts[g];
+                int rows = (int)(starts[g + 1] - m0);
+                const float *gx = x + m0 * K;
+                float *gy = y + m0 * N;
+                /* wtype is a literal at each call, so the loops are compiled once per type */
+                if (wtype == 0) run_blocks(gx, w[g], 0, bias[g], gy, rows, N, u0 * PACK_ROWS, u1 * PACK_ROWS, K);
+                else if (wtype == 1) run_blocks(gx, w[g], 1, bias[g], gy, rows, N, u0 * PACK_ROWS, u1 * PACK_ROWS, K);
+                else run_blocks(gx, w[g], 2, bias[g], gy, rows, N, u0 * PACK_ROWS, u1 * PACK_ROWS, K);
+                b += u1 - u0;
+            }
         }
-        if (t == nt - 1 && full < N) run_tail(x, w, wtype, bias, y, M, N, full, N, K);
+        if (t == nt - 1 && full < N)
+            for (long g = 0; g < groups; g++)
+                run_tail(x + starts[g] * K, w[g], wtype, bias[g], y + starts[g] * N, (int)(starts[g + 1] - starts[g]),
+                         N, full, N, K);
     }
+}
+
+/* y[M, N] = x[M, K] . W^T (+ bias): each block of W's rows is read once for all of x. */
+void anna_gemv(const float *x, const void *w, int wtype, const float *bias, float *y, int M, long N, long K,
+               int threads) {
+    int64_t starts[2] = {0, M};
+    gemv_groups(x, &w, &bias, starts, 1, wtype, y, N, K, threads);
+}
+
+/* Group g: rows [starts[g], starts[g + 1]) of x times the weight of expert ids[g], at w[ids[g]] (a
+ * table of every expert's pointer, kept by the caller). */
+void anna_gemv_experts(const float *x, const int64_t *w, const int64_t *ids, const int64_t *starts, long groups,
+                       int wtype, float *y, long N, long K, int threads) {
+    const void **gw = (const void **)malloc(sizeof(void *) * groups);
+    const float **gb = (const float **)calloc(groups, sizeof(float *));
+    for (long g = 0; g < groups; g++) gw[g] = (const void *)(intptr_t)w[ids[g]];
+    gemv_groups(x, gw, gb, starts, groups, wtype, y, N, K, threads);
+    free(gw);
+    free(gb);
 }
 
 /* Packed W -> fp32 row-major [N, K]: the weight torch's GEMM reads when M is too large for the
