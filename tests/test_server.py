@@ -89,6 +89,42 @@ def test_chat_streaming_matches_non_streaming(client):
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
 
 
+def test_continuous_usage_stats_in_every_chunk(client):
+    """vLLM's stream_options.continuous_usage_stats: every chunk carries its choice's usage so far;
+    without include_usage it has no effect."""
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "Count"}], max_tokens=6, temperature=0, n=2,
+              extra_body={"ignore_eos": True}, stream=True)
+    chunks = list(client.chat.completions.create(
+        **kw, stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    prompt = chunks[-1].usage.prompt_tokens
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12  # both choices, at the end
+    seen = {0: [], 1: []}
+    for c in chunks[:-1]:
+        assert c.usage.prompt_tokens == prompt
+        assert c.usage.total_tokens == prompt + c.usage.completion_tokens
+        seen[c.choices[0].index].append(c.usage.completion_tokens)
+    for counts in seen.values():  # 0 with the role, then growing to the choice's 6 tokens
+        assert counts[0] == 0 and counts[-1] == 6 and counts == sorted(counts)
+    plain = list(client.chat.completions.create(**kw, stream_options={"continuous_usage_stats": True}))
+    assert all(c.usage is None for c in plain)
+
+    prompts = ["a", "a longer prompt"]
+    stream = client.completions.create(model=MODEL, prompt=prompts, max_tokens=5, temperature=0, stream=True,
+                                       extra_body={"ignore_eos": True},
+                                       stream_options={"include_usage": True, "continuous_usage_stats": True})
+    chunks = list(stream)
+    lens = [len(httpx.post(client.base_url.join("/tokenize").__str__(), json={"prompt": p},
+                           headers=auth()).json()["tokens"]) for p in prompts]
+    last = {}
+    for c in chunks[:-1]:
+        i = c.choices[0].index
+        assert c.usage.prompt_tokens == lens[i]
+        assert c.usage.completion_tokens >= last.get(i, 0)
+        last[i] = c.usage.completion_tokens
+    assert last == {0: 5, 1: 5}
+    assert chunks[-1].usage.prompt_tokens == sum(lens) and chunks[-1].usage.completion_tokens == 10
+
+
 def test_completions_prompt_forms(client):
     a = client.completions.create(model=MODEL, prompt="abc", max_tokens=4, temperature=0)
     assert a.object == "text_completion" and len(a.choices) == 1

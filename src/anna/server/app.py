@@ -30,7 +30,7 @@ from anna.server.constraints import after_reasoning, compile_constraint, forced_
 from anna.server.logprobs import chat_logprobs, completion_logprobs, echoed_logprobs, vllm_prompt_logprobs
 from anna.server.metrics import EngineCollector, make_registry, render
 from anna.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                  SamplingFields, TokenizeRequest)
+                                  SamplingFields, StreamOptions, TokenizeRequest)
 from anna.server.reasoning import REASONING_PARSERS
 from anna.server.tool_parsers import TOOL_PARSERS, ParsedToolCall, ToolCallStreamer
 
@@ -174,6 +174,13 @@ def invalid_request(exc: ValueError) -> APIError:
 
 def sse(data: Any) -> str:
     return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+def stream_usage(options: StreamOptions | None) -> tuple[bool, bool]:
+    """(a usage chunk at the end, usage in every chunk): vLLM's continuous_usage_stats takes effect
+    only with include_usage."""
+    final = bool(options and options.include_usage)
+    return final, final and options.continuous_usage_stats
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached: int) -> dict[str, Any]:
@@ -384,8 +391,8 @@ def create_app(settings: ResolvedSettings, *, load_in_background: bool = True) -
         gen = state.engine.generate(rid, ids, params)
         base = {"id": rid, "created": int(time.time()), "model": state.model_name}
         if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(chat_stream(state, gen, base, params.n, len(ids), parse_tools, include_usage),
+            return StreamingResponse(chat_stream(state, gen, base, params.n, len(ids), parse_tools,
+                                                 *stream_usage(req.stream_options)),
                                      media_type="text/event-stream")
         out = await run_until_done(request, final_output(gen))
         if out is None:
@@ -437,9 +444,9 @@ def create_app(settings: ResolvedSettings, *, load_in_background: bool = True) -
         base = {"id": rid, "created": int(time.time()), "model": state.model_name}
         n = req.n
         if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(completion_stream(state, gens, encoded, base, n, req.echo, include_usage,
-                                                       req.prompt_logprobs is not None),
+            return StreamingResponse(completion_stream(state, gens, encoded, base, n, req.echo,
+                                                       req.prompt_logprobs is not None,
+                                                       *stream_usage(req.stream_options)),
                                      media_type="text/event-stream")
         outs = await run_until_done(request, asyncio.gather(*(final_output(g) for g in gens)))
         if outs is None:
@@ -477,21 +484,24 @@ def normalize_prompts(prompt: Any) -> list[str | list[int]]:
 
 
 async def chat_stream(state: ServerState, gen: AsyncIterator[RequestOutput], base: dict[str, Any], n: int,
-                      num_prompt: int, parse_tools: bool, include_usage: bool) -> AsyncIterator[str]:
+                      num_prompt: int, parse_tools: bool, include_usage: bool,
+                      continuous_usage: bool) -> AsyncIterator[str]:
     engine = state.core
     chunk = {**base, "object": "chat.completion.chunk"}
+    sent_tokens = [0] * n
 
     def emit(index: int, delta: dict[str, Any], finish: str | None = None, logprobs: Any = None) -> str:
-        return sse({**chunk, "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
-                                          "finish_reason": finish}]})
+        data = {**chunk, "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
+        if continuous_usage:  # this choice's tokens so far
+            data["usage"] = usage(num_prompt, sent_tokens[index], last.num_cached_tokens if last else 0)
+        return sse(data)
 
     parsers = [ChoiceParser(state, parse_tools, stream=True) for _ in range(n)]
     sent_text = [0] * n
-    sent_tokens = [0] * n
     done = [False] * n
+    last: RequestOutput | None = None
     for i in range(n):
         yield emit(i, {"role": "assistant", "content": ""})
-    last: RequestOutput | None = None
     try:
         async for out in gen:
             last = out
@@ -529,7 +539,8 @@ async def chat_stream(state: ServerState, gen: AsyncIterator[RequestOutput], bas
 
 async def completion_stream(state: ServerState, gens: list[AsyncIterator[RequestOutput]],
                             encoded: list[tuple[str | None, list[int]]], base: dict[str, Any], n: int, echo: bool,
-                            include_usage: bool, send_prompt_logprobs: bool) -> AsyncIterator[str]:
+                            send_prompt_logprobs: bool, include_usage: bool,
+                            continuous_usage: bool) -> AsyncIterator[str]:
     engine = state.core
     chunk = {**base, "object": "text_completion"}
     queue: asyncio.Queue = asyncio.Queue()
@@ -581,7 +592,10 @@ async def completion_stream(state: ServerState, gens: list[AsyncIterator[Request
                               "finish_reason": finish_reason(o, None)}
                     if first and send_prompt_logprobs:
                         choice["prompt_logprobs"] = vllm_prompt_logprobs(engine, item)
-                    yield sse({**chunk, "choices": [choice]})
+                    data = {**chunk, "choices": [choice]}
+                    if continuous_usage:  # this choice's prompt and tokens so far
+                        data["usage"] = usage(len(encoded[i][1]), len(o.token_ids), item.num_cached_tokens)
+                    yield sse(data)
     finally:
         for t in tasks:
             t.cancel()

@@ -30,6 +30,7 @@ class _Lenient(BaseModel):
 
 class StreamOptions(_Lenient):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM: usage in every chunk too (with include_usage)
 
 
 class SamplingFields(_Lenient):
