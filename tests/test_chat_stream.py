@@ -36,7 +36,7 @@ def run_stream(step: int) -> list[dict]:
 
     async def collect():
         return [chunk async for chunk in chat_stream(state(), gen(), {"id": "x", "created": 0, "model": "m"}, 1,
-                                                     5, True, True)]
+                                                     5, True, True, False)]
 
     chunks = asyncio.run(collect())
     assert chunks[-1] == "data: [DONE]\n\n"
