@@ -96,6 +96,7 @@ def engine_settings(model_dir, cache_dir, **overrides):
 
 SERVER_API_KEY = "test-key-123"
 SERVER_MODEL = "tiny-qwen2"
+SERVER_MODEL_ALIAS = "qwen-alias"  # a second --served-model-name
 
 
 def free_port() -> int:
@@ -118,7 +119,7 @@ def live_server(qwen2_dir, cache_dir, tmp_path_factory):
     port = free_port()
     log = tmp_path_factory.mktemp("server") / "server.log"
     cmd = [sys.executable, "-m", "anna.cli.main", "serve", str(qwen2_dir), "--port", str(port),
-           "--served-model-name", SERVER_MODEL, "--api-key", SERVER_API_KEY, "--dtype", "float32",
+           "--served-model-name", SERVER_MODEL, SERVER_MODEL_ALIAS, "--api-key", SERVER_API_KEY, "--dtype", "float32",
            "--device", "cpu", "--max-model-len", "512", "--num-gpu-blocks-override", "96",
            "--cache-dir", str(cache_dir), "--log-level", "warning", "--max-n", "4"]
     env = dict(os.environ, ANNA_API_KEY="")

@@ -26,7 +26,7 @@ def outputs(text: str, step: int):
 
 def state(reasoning: str = "think") -> ServerState:
     settings = ServeSettings(reasoning_parser=reasoning, tool_call_parser="hermes").resolve(env={})
-    return ServerState(settings=settings, engine=SimpleNamespace(engine=None), model_name="m")
+    return ServerState(settings=settings, engine=SimpleNamespace(engine=None), model_names=["m"])
 
 
 def run_stream(step: int) -> list[dict]:

@@ -42,6 +42,19 @@ def test_precedence_for_every_field(f):
     assert default.sources[f.name] in ("default", "profile")
 
 
+def test_several_served_model_names():
+    """vLLM's form --served-model-name A B, the comma form, and the environment variable."""
+    from anna.server.app import served_names
+
+    for argv in (["--served-model-name", "a", "b"], ["--served-model-name", "a,b"]):
+        settings = settings_from_args(build_parser().parse_args(["serve", *argv])).resolve(env={})
+        assert settings.served_model_name == "a,b" and served_names(settings) == ["a", "b"]
+    settings = settings_from_args(build_parser().parse_args(["serve", "/m"])).resolve(
+        env={"ANNA_SERVED_MODEL_NAME": "x, y"})
+    assert served_names(settings) == ["x", "y"]
+    assert served_names(ServeSettings(model="/m").resolve(env={})) == ["/m"]
+
+
 def test_cli_flag_beats_env():
     args = build_parser().parse_args(["serve", "--max-num-seqs", "7", "--no-enable-prefix-caching"])
     resolved = settings_from_args(args).resolve(env={"ANNA_MAX_NUM_SEQS": "9", "ANNA_ENABLE_PREFIX_CACHING": "1",

@@ -10,8 +10,9 @@ import httpx
 import openai
 import pytest
 
-API_KEY = "test-key-123"
-MODEL = "tiny-qwen2"
+from conftest import SERVER_API_KEY as API_KEY
+from conftest import SERVER_MODEL as MODEL
+from conftest import SERVER_MODEL_ALIAS
 
 
 @pytest.fixture(scope="module")
@@ -272,12 +273,22 @@ def test_unknown_routes_and_methods_answer_in_openai_error_shape(server):
     assert "GET" in httpx.delete(server + "/v1/models", headers=auth()).headers["allow"]
 
 
+def test_every_served_name_is_accepted_and_the_first_reported(server):
+    """--served-model-name A B (as in vLLM): requests may name either; responses report A."""
+    models = httpx.get(server + "/v1/models", headers=auth()).json()["data"]
+    assert [m["id"] for m in models] == [MODEL, SERVER_MODEL_ALIAS]
+    r = httpx.post(server + "/v1/completions", json={"model": SERVER_MODEL_ALIAS, "prompt": "x", "max_tokens": 2},
+                   headers=auth())
+    assert r.status_code == 200 and r.json()["model"] == MODEL
+
+
 def test_invalid_json_unknown_model_and_bad_token_ids(server):
     r = httpx.post(server + "/v1/completions", content=b"{not json", headers={**auth(),
                                                                               "content-type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
     r = httpx.post(server + "/v1/completions", json={"model": "gpt-5", "prompt": "x"}, headers=auth())
     assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+    assert f"serves '{MODEL}', '{SERVER_MODEL_ALIAS}'" in r.json()["error"]["message"]
     r = httpx.post(server + "/v1/completions", json={"model": MODEL, "prompt": [1, 2, 99999]}, headers=auth())
     assert r.status_code == 400 and "outside the vocabulary" in r.json()["error"]["message"]
     r = httpx.post(server + "/v1/completions", json={"model": MODEL, "prompt": "x", "logit_bias": {"99999": 5}},

@@ -28,7 +28,8 @@ def add_settings_flags(parser: argparse.ArgumentParser, skip: set[str] = frozens
                                help=help_text)
         else:
             group.add_argument(*flags, dest=f.name, type=typ, default=None, choices=f.metadata.get("choices"),
-                               help=help_text, metavar=None if f.metadata.get("choices") else f.name.upper())
+                               help=help_text, metavar=None if f.metadata.get("choices") else f.name.upper(),
+                               nargs="+" if f.metadata.get("several") else None)
     vllm = parser.add_argument_group(
         "vLLM flags", "Accepted so that vLLM command lines run unchanged: --gpu-memory-utilization (= "
         "--memory-utilization), and, with no effect in Anna, " +
@@ -50,7 +51,8 @@ def settings_from_args(args: argparse.Namespace) -> ServeSettings:
     for name in IGNORED_VLLM_ARGS:
         if getattr(args, f"vllm_{name}", None) is not None:
             logging.getLogger(__name__).info("--%s has no effect in Anna", name.replace("_", "-"))
-    return ServeSettings(**{f.name: getattr(args, f.name, None) for f in dataclasses.fields(ServeSettings)})
+    values = {f.name: getattr(args, f.name, None) for f in dataclasses.fields(ServeSettings)}
+    return ServeSettings(**{name: ",".join(v) if isinstance(v, list) else v for name, v in values.items()})
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

@@ -51,10 +51,11 @@ def check_tensor_parallel_size(value: Any) -> None:
 
 
 def _setting(default: Any, help: str, *, choices: tuple | None = None, env: str | None = None,
-             cli: bool = True, minimum: float = 0, maximum: float | None = None) -> Any:
-    """A ServeSettings field: unset (None) until resolved; ``default`` is the built-in value."""
-    return field(default=None, metadata={"default": default, "help": help, "choices": choices,
-                                         "env": env, "cli": cli, "minimum": minimum, "maximum": maximum})
+             cli: bool = True, minimum: float = 0, maximum: float | None = None, several: bool = False) -> Any:
+    """A ServeSettings field: unset (None) until resolved; ``default`` is the built-in value.
+    ``several``: a comma-separated list, whose flag also takes the values one after another."""
+    return field(default=None, metadata={"default": default, "help": help, "choices": choices, "env": env,
+                                         "cli": cli, "minimum": minimum, "maximum": maximum, "several": several})
 
 
 PROFILE = object()  # marker: the built-in default comes from the scheduler profile
@@ -66,7 +67,9 @@ class ServeSettings:
 
     # Model and device
     model: str | None = _setting(None, "Model directory (Hugging Face layout). Default: the built-in demo model.")
-    served_model_name: str | None = _setting(None, "Model name reported by the API (default: the model path).")
+    served_model_name: str | None = _setting(
+        None, "Names the API serves the model under, comma-separated (or one after another after the flag); "
+        "responses report the first. Default: the model path.", several=True)
     tokenizer: str | None = _setting(None, "Tokenizer directory (default: the model directory).")
     chat_template: str | None = _setting(
         "", "Chat template (Jinja), as a file path or inline; empty = the tokenizer's (ChatML if it has none).")

@@ -43,8 +43,12 @@ class ServerState:
     engine: AsyncEngine | None = None
     load_error: BaseException | None = None
     on_load_error: Callable[[], None] | None = None  # `anna serve` stops the server: it refuses to start
-    model_name: str = ""
+    model_names: list[str] = field(default_factory=list)  # what requests may name; responses report the first
     created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def model_name(self) -> str:
+        return self.model_names[0]
 
     @property
     def core(self) -> LLMEngine:
@@ -54,8 +58,9 @@ class ServerState:
         return self.engine.engine
 
 
-def served_name(settings: ResolvedSettings) -> str:
-    return settings.served_model_name or settings.model or "anna-demo"
+def served_names(settings: ResolvedSettings) -> list[str]:
+    names = [n.strip() for n in (settings.served_model_name or "").split(",") if n.strip()]
+    return names or [settings.model or "anna-demo"]
 
 
 # ---------------------------------------------------------------- request helpers
@@ -76,8 +81,9 @@ async def parse_body(request: Request, model: type[BaseModel]) -> Any:
 
 
 def check_model(state: ServerState, name: str | None) -> None:
-    if name is not None and name != state.model_name:
-        raise APIError(404, f"The model '{name}' does not exist; this server serves '{state.model_name}'",
+    if name is not None and name not in state.model_names:
+        served = ", ".join(f"'{n}'" for n in state.model_names)
+        raise APIError(404, f"The model '{name}' does not exist; this server serves {served}",
                        param="model", code="model_not_found")
 
 
@@ -235,7 +241,7 @@ def finish_reason(out: CompletionOutput, parser: ChoiceParser | None) -> str | N
 # ---------------------------------------------------------------- app
 
 def create_app(settings: ResolvedSettings, *, load_in_background: bool = True) -> FastAPI:
-    state = ServerState(settings=settings, model_name=served_name(settings))
+    state = ServerState(settings=settings, model_names=served_names(settings))
     registry = make_registry(EngineCollector(lambda: state.engine.engine if state.engine else None,
                                              state.model_name))
 
@@ -247,7 +253,7 @@ def create_app(settings: ResolvedSettings, *, load_in_background: bool = True) -
             else:
                 log.warning("Inference warmup is off (--no-inference-warmup): the first requests pay first-use costs")
             state.engine = AsyncEngine(engine)
-            log.info("Ready: serving '%s' on http://%s:%d", state.model_name, settings.host, settings.port)
+            log.info("Ready: serving '%s' on http://%s:%d", ', '.join(state.model_names), settings.host, settings.port)
         except BaseException as exc:  # reported by /health and every route
             if isinstance(exc, ValueError):  # a setting or model file that does not work: the message says which
                 log.error("model failed to load: %s", exc)
@@ -315,8 +321,8 @@ def create_app(settings: ResolvedSettings, *, load_in_background: bool = True) -
     async def models() -> JSONResponse:
         engine = state.core
         return JSONResponse({"object": "list", "data": [{
-            "id": state.model_name, "object": "model", "created": state.created, "owned_by": "anna",
-            "root": engine.model_dir, "max_model_len": engine.max_model_len}]})
+            "id": name, "object": "model", "created": state.created, "owned_by": "anna",
+            "root": engine.model_dir, "max_model_len": engine.max_model_len} for name in state.model_names]})
 
     @app.get("/metrics")
     async def metrics() -> Response:
