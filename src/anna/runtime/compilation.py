@@ -35,19 +35,15 @@ def resolve_decode_executor(choice: str, device: torch.device, fused_available: 
     so do mixture-of-experts models: their layers pick experts on the host every step."""
     if choice == "eager":
         return "eager"
-    blocked = "--profile-runtime times each op" if profiling else \
-        "mixture-of-experts layers choose their experts on the host each step" if moe else None
-    if blocked is None and device.type == "cpu" and fused_available:
-        return "graph"
-    if blocked is None and device.type == "cuda" and choice == "graph":
-        return "graph"
+    why = ("--profile-runtime times each op" if profiling
+           else "mixture-of-experts layers choose their experts on the host each step" if moe else None)
+    if why is None:
+        if device.type == "cpu" and fused_available:
+            return "graph"
+        if device.type == "cuda" and choice == "graph":
+            return "graph"
+        why = "needs Anna's CPU kernels" if device.type == "cpu" else f"graph capture is not implemented for {device.type}"
     if choice == "graph":
-        if blocked is not None:
-            why = blocked
-        elif device.type == "cpu":
-            why = "needs Anna's CPU kernels"
-        else:
-            why = f"graph capture is not implemented for {device.type}"
         log.warning("decode_executor=graph: %s; running eager", why)
     return "eager"
 
