@@ -253,7 +253,8 @@ def create_app(settings: ResolvedSettings, *, load_in_background: bool = True) -
             else:
                 log.warning("Inference warmup is off (--no-inference-warmup): the first requests pay first-use costs")
             state.engine = AsyncEngine(engine)
-            log.info("Ready: serving '%s' on http://%s:%d", ', '.join(state.model_names), settings.host, settings.port)
+            log.info("Ready: serving %s on http://%s:%d", ", ".join(map(repr, state.model_names)), settings.host,
+                     settings.port)
         except BaseException as exc:  # reported by /health and every route
             if isinstance(exc, ValueError):  # a setting or model file that does not work: the message says which
                 log.error("model failed to load: %s", exc)
