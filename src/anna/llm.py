@@ -101,7 +101,7 @@ class LLM:
         for conv in conversations:
             text = render_chat(chat_template or tok.chat_template, conv, add_generation_prompt=add_generation_prompt,
                                tools=tools, special_tokens={"bos_token": tok.bos_token, "eos_token": tok.eos_token},
-                               **(chat_template_kwargs or {}))
+                               template_kwargs=chat_template_kwargs)
             prompts.append(tok.encode(text, add_special_tokens=False))
         return self.generate(prompts, sampling_params, use_tqdm)
 
@@ -121,4 +121,9 @@ class LLM:
             bar.close()
             for rid in pending:
                 engine.abort_request(rid)
+        for i, rid in enumerate(ids):  # after the others have finished: they are not cut short
+            error = done[rid].error
+            if error is not None:
+                where = f" (prompt {i})" if len(ids) > 1 else ""
+                raise (ValueError if error.status < 500 else RuntimeError)(error.message + where)
         return [done[rid] for rid in ids]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from anna.core.errors import RequestError
+
 
 @dataclass
 class Logprob:
@@ -17,7 +19,7 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None = None  # "stop", "length", "abort" or None while running
+    finish_reason: str | None = None  # "stop", "length", "abort", "error" or None while running
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
     cumulative_logprob: float | None = None
     logprobs: list[dict[int, Logprob]] | None = None
@@ -39,3 +41,4 @@ class RequestOutput:
     # given the tokens before it (None for the first token, which has no context)
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     metrics: dict[str, float] = field(default_factory=dict)
+    error: RequestError | None = None  # set when the request failed (finished, finish_reason "error")

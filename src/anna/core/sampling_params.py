@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +41,8 @@ class StructuredOutputsParams:
                 raise ValueError(f"structured_outputs.json: not valid JSON ({exc})") from None
         if self.json is not None and not isinstance(self.json, (dict, bool)):
             raise ValueError("structured_outputs.json: a JSON schema must be an object")
+        if isinstance(self.json, dict) and not isinstance(self.json.get("x-guidance", {}), dict):
+            raise ValueError("structured_outputs.json: 'x-guidance' must be an object of grammar options")
         if self.regex is not None and not isinstance(self.regex, str):
             raise ValueError("structured_outputs.regex: must be a string")
         if self.grammar is not None and not isinstance(self.grammar, str):
@@ -128,8 +131,8 @@ class SamplingParams:
         if not is_int(self.n) or self.n < 1:
             bad("n", "must be an integer >= 1")
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
-            if not is_num(getattr(self, name)):
-                bad(name, "must be a number")
+            if not is_num(getattr(self, name)) or not math.isfinite(getattr(self, name)):
+                bad(name, "must be a finite number")
         if self.temperature < 0:
             bad("temperature", "must be >= 0")
         if not 0 < self.top_p <= 1:
@@ -170,6 +173,8 @@ class SamplingParams:
         if self.bad_words is not None and (not isinstance(self.bad_words, (list, tuple)) or any(
                 not isinstance(w, str) or not w.strip() for w in self.bad_words)):
             bad("bad_words", "must be a list of non-empty strings")
+        if self.logit_bias and any(not is_int(t) or t < 0 for t in self.logit_bias):
+            bad("logit_bias", "keys must be non-negative token ids")
         if self.logit_bias and any(not -100 <= v <= 100 for v in self.logit_bias.values()):
             bad("logit_bias", "values must be in [-100, 100]")
         if self.output_kind not in OUTPUT_KINDS:

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from anna.core.config import ResolvedSettings, ServeSettings
+from anna.core.errors import EngineDeadError, RequestError
 from anna.core.outputs import CompletionOutput, Logprob, RequestOutput
 from anna.core.request import PENDING_TOKEN, Request, RequestStatus
 from anna.core.sampling_params import SamplingParams
@@ -28,11 +29,11 @@ from anna.runtime.memory import (activation_dtype, module_bytes, plan_kv_cache, 
                                  profile_decode_peak, resolve_device, resolve_dtype)
 from anna.runtime.memory_release import MemoryReleaser, ReleasePolicy
 from anna.runtime.metrics import EngineStats
-from anna.runtime.model_runner import ModelRunner
+from anna.runtime.model_runner import ModelRunner, StepResult
 from anna.runtime.profiler import RuntimeProfiler
 from anna.runtime.prompt_cache import PromptCache
 from anna.runtime.sampler import Sampler
-from anna.runtime.scheduler import Scheduler, SchedulerConfig
+from anna.runtime.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from anna.runtime.structured_output import StructuredOutputCompiler
 from anna.weights.chat_template import load_chat_template
 from anna.weights.demo_model import DEMO_NOTICE, ensure_demo_model
@@ -57,6 +58,7 @@ class RequestGroup:
     prompt: str | None
     final_only: bool = False  # one output, when finished
     seqs: list[SequenceState] = field(default_factory=list)
+    error: RequestError | None = None  # why it failed, if it did (all its sequences end with it)
 
     @property
     def finished(self) -> bool:
@@ -243,6 +245,9 @@ class LLMEngine:
         group = RequestGroup(request_id, text, final_only=params.output_kind == "final_only")
         sync_every = self._sync_window(params)
         bad_word_ids = self._bad_word_ids(params.bad_words or [])
+        if params.allowed_token_ids and set(params.allowed_token_ids) <= {w[0] for w in bad_word_ids if len(w) == 1}:
+            raise ValueError("allowed_token_ids: every allowed token is one of the bad_words, so no token could "
+                             "ever be generated")
         for i in range(params.n):
             child = params
             if params.n > 1 or params.max_tokens != max_tokens:
@@ -254,11 +259,10 @@ class LLMEngine:
                           grammar=None if spec is None else self.structured.new_matcher(spec), sync_every=sync_every,
                           bad_word_ids=bad_word_ids)
             detok = IncrementalDetokenizer(self.tokenizer, ids, child.skip_special_tokens)
-            state = SequenceState(req, detok)
-            group.seqs.append(state)
-            self._seqs[req.request_id] = (group, state)
-        self.groups[request_id] = group
+            group.seqs.append(SequenceState(req, detok))
+        self.groups[request_id] = group  # registered only once every sequence is built
         for state in group.seqs:
+            self._seqs[state.req.request_id] = (group, state)
             self.scheduler.add(state.req)
         self.stats.prompt_tokens += len(ids) * params.n
 
@@ -299,47 +303,88 @@ class LLMEngine:
 
     # ---- the loop ----
     def step(self) -> list[RequestOutput]:
+        """One step: schedule -> run -> process outputs. A failure is confined to the requests it
+        belongs to (they end with a RequestError); the engine raises only EngineDeadError, when
+        it cannot serve anything any more."""
         start = time.perf_counter() if self.profiler is None else self.profiler.step_started()
-        batch = self.scheduler.schedule()
+        touched: dict[str, RequestGroup] = {}
+        try:
+            batch = self.scheduler.schedule()
+        except Exception as exc:  # a scheduling bug: no request can be blamed, so none may stay
+            log.exception("scheduling failed: failing every queued request")
+            self._fail_unattributed(self.scheduler.running + list(self.scheduler.waiting), exc, touched)
+            return self._outputs(touched)
         if not batch:
             return []
-        result = self.runner.execute(batch)
+        try:
+            result = self.runner.execute(batch)
+        except Exception as exc:
+            log.exception("step failed (%d requests, %d tokens): failing its requests", len(batch.requests),
+                          batch.total_tokens)
+            self._fail_unattributed(batch.requests, exc, touched)
+            return self._outputs(touched)
         sampled = result.sampled
         self.stats.steps.record(batch.step_class, time.perf_counter() - start)
         if self.profiler is not None:
             self.profiler.step_finished(start)
-        touched: dict[str, RequestGroup] = {}
         to_sync: list[SequenceState] = []
         for req, n in zip(batch.requests, batch.num_new_tokens):
-            req.num_computed_tokens += n
-            if req.request_id in result.prompt_logprobs:
-                first, entries = result.prompt_logprobs[req.request_id]
-                for pos, (chosen, top) in enumerate(entries, first):
-                    req.prompt_logprobs[pos] = logprob_entry(req.prompt_token_ids[pos], chosen, top)
-            if req.request_id in sampled:
-                if req.num_output_tokens == 0 and self.prompt_cache.covers(req.prompt_token_ids) \
-                        and req.prompt_token_ids not in self.prompt_cache:
-                    self.prompt_cache.insert(req.prompt_token_ids, self.runner.read_prompt_kv(req))
-                group, state = self._seqs[req.request_id]
-                token = sampled[req.request_id]
-                if token.value is None:  # stays on the device for now
-                    req.append_output_token(PENDING_TOKEN)
-                    req.pending.append(token.ref)
-                    self._record_token(req)
-                    if len(req.pending) >= req.sync_every or req.num_output_tokens >= req.sampling_params.max_tokens \
-                            or req.num_tokens >= self.max_model_len:
-                        to_sync.append(state)
-                else:
-                    self._append_token(state, token.value, token.logprobs)
-                touched[group.request_id] = group
+            if req.is_finished:  # failed with another sequence of its group in this step
+                continue
+            error = result.failed.get(req.request_id)
+            if error is None:
+                try:
+                    self._process_step_output(req, n, result, to_sync, touched)
+                    continue
+                except Exception as exc:
+                    log.exception("request %s: processing its step output failed", req.request_id)
+                    error = RequestError.internal(exc)
+            self._fail(req, error, touched)
         if to_sync:
-            self._sync_tokens(to_sync)
+            try:
+                self._sync_tokens(to_sync)
+            except Exception as exc:  # reading back from the device failed: it may be gone
+                log.exception("reading sampled tokens back failed")
+                self._fail_unattributed([state.req for state in to_sync], exc, touched)
+        return self._outputs(touched)
+
+    def _process_step_output(self, req: Request, n: int, result: StepResult, to_sync: list[SequenceState],
+                             touched: dict[str, RequestGroup]) -> None:
+        req.num_computed_tokens += n
+        if req.request_id in result.prompt_logprobs:
+            first, entries = result.prompt_logprobs[req.request_id]
+            for pos, (chosen, top) in enumerate(entries, first):
+                req.prompt_logprobs[pos] = logprob_entry(req.prompt_token_ids[pos], chosen, top)
+        token = result.sampled.get(req.request_id)
+        if token is None:
+            return
+        if req.num_output_tokens == 0 and self.prompt_cache.covers(req.prompt_token_ids) \
+                and req.prompt_token_ids not in self.prompt_cache:
+            self.prompt_cache.insert(req.prompt_token_ids, self.runner.read_prompt_kv(req))
+        group, state = self._seqs[req.request_id]
+        if token.value is None:  # stays on the device for now
+            req.append_output_token(PENDING_TOKEN)
+            req.pending.append(token.ref)
+            self._record_token(req)
+            if len(req.pending) >= req.sync_every or req.num_output_tokens >= req.sampling_params.max_tokens \
+                    or req.num_tokens >= self.max_model_len:
+                to_sync.append(state)
+        else:
+            self._append_token(state, token.value, token.logprobs)
+        touched[group.request_id] = group
+
+    def _outputs(self, touched: dict[str, RequestGroup]) -> list[RequestOutput]:
         outputs = []
         finished_any = False
         for group in touched.values():
             if group.final_only and not group.finished:
                 continue
-            outputs.append(self._make_output(group))
+            try:
+                outputs.append(self._make_output(group))
+            except Exception as exc:
+                log.exception("request %s: building its output failed", group.request_id)
+                self._fail(group.seqs[0].req, RequestError.internal(exc), {})
+                outputs.append(self._error_output(group))
             if group.finished:
                 finished_any = True
                 self.groups.pop(group.request_id, None)
@@ -348,6 +393,66 @@ class LLMEngine:
         if finished_any and not self.scheduler.has_work():
             self.memory.maybe_release(idle=True, periodic=False)
         return outputs
+
+    # ---- failures ----
+    def _fail(self, req: Request, error: RequestError, touched: dict[str, RequestGroup]) -> None:
+        """End the request this sequence belongs to, all its sequences, with ``error``."""
+        entry = self._seqs.get(req.request_id)
+        if entry is None:  # not (or no longer) one of ours: just let its blocks go
+            self.scheduler.remove(req)
+            return
+        group = entry[0]
+        if group.error is None:
+            group.error = error
+            self.stats.failed[error.status] += 1
+            log.warning("request %s failed (%d): %s", group.request_id, error.status, error.message)
+        for state in group.seqs:
+            self._finish(state, "error")
+        touched[group.request_id] = group
+
+    def _fail_unattributed(self, requests: list[Request], exc: Exception, touched: dict[str, RequestGroup]) -> None:
+        """A step failed and no single request can be blamed: fail the requests in it, forget the
+        prefix-cache entries of the blocks it was writing, then make sure the engine still runs."""
+        self.stats.failed_steps += 1
+        bs = self.kv.block_size
+        unwritten = [b for req in requests for b in self.kv.block_ids(req.request_id)[req.num_computed_tokens // bs:]]
+        error = RequestError.internal(exc)
+        for req in list(requests):
+            self._fail(req, error, touched)
+        self.kv.pool.uncache(unwritten)
+        self._check_alive(exc)
+
+    def _check_alive(self, cause: Exception) -> None:
+        """After a failed step: raise EngineDeadError unless the device answers and a one-token
+        forward pass still runs."""
+        try:
+            self.runner.check_device()
+            self._probe()
+        except Exception as exc:
+            log.exception("the engine cannot run any more")
+            raise EngineDeadError(f"the engine cannot run any more: {type(exc).__name__}: {exc} "
+                                  f"(after a failed step: {type(cause).__name__}: {cause})") from exc
+
+    def _probe(self) -> None:
+        """One greedy token from a one-token prompt through the real runner, outside the queues."""
+        req = Request("anna-probe", [0], SamplingParams(temperature=0.0, max_tokens=1))
+        if not self.kv.allocate_slots(req, 1):
+            return  # every block is in use by running requests: they show soon enough whether it works
+        try:
+            result = self.runner.execute(ScheduledBatch(requests=[req], num_new_tokens=[1]))
+            if req.request_id not in result.sampled:
+                raise RuntimeError(f"the probe got no token: {result.failed.get(req.request_id)}")
+        finally:
+            blocks = self.kv.block_ids(req.request_id)
+            self.kv.free(req)
+            self.kv.pool.uncache(blocks)
+            self.runner.sampler.forget(req.request_id)
+
+    def _error_output(self, group: RequestGroup) -> RequestOutput:
+        first = group.seqs[0].req
+        return RequestOutput(group.request_id, group.prompt, first.prompt_token_ids,
+                             [CompletionOutput(i, "", [], "error") for i in range(len(group.seqs))], True,
+                             error=group.error)
 
     def _sync_tokens(self, states: list[SequenceState]) -> None:
         """Read the pending tokens of these sequences back in one copy, then check them in order as
@@ -416,14 +521,14 @@ class LLMEngine:
         req = state.req
         if req.is_finished:
             return
-        if reason != "abort" and not isinstance(stop_reason, str):  # not cut at a stop string
+        if reason not in ("abort", "error") and not isinstance(stop_reason, str):  # not cut at a stop string
             state.detok.flush()
             state.text = state.detok.text
         req.status = RequestStatus.FINISHED
         req.finish_reason, req.stop_reason = reason, stop_reason
         if reason == "abort":
             self.stats.aborted += 1
-        else:
+        elif reason != "error":  # failures are counted by _fail
             self.stats.finished[reason] += 1
             now = time.monotonic()
             self.stats.e2e.observe(now - req.arrival_time)
@@ -448,7 +553,8 @@ class LLMEngine:
         return RequestOutput(group.request_id, group.prompt, first.prompt_token_ids, outs, group.finished,
                              num_cached_tokens=max(0, first.num_cached_tokens),
                              prompt_logprobs=list(first.prompt_logprobs)
-                             if first.sampling_params.prompt_logprobs is not None else None)
+                             if first.sampling_params.prompt_logprobs is not None else None,
+                             error=group.error)
 
 
 def logprob_entry(token: int, chosen: float, top: list[tuple[int, float]]) -> dict[int, Logprob]:

@@ -77,6 +77,8 @@ class EngineStats:
     generation_tokens: int = 0
     finished: Counter = field(default_factory=Counter)  # finish reason -> count
     aborted: int = 0
+    failed: Counter = field(default_factory=Counter)  # HTTP status (400: its input, 500: Anna's) -> count
+    failed_steps: int = 0  # steps whose forward pass failed, failing the requests in them
     steps: StepStats = field(default_factory=StepStats)
     ttft: Histogram = field(default_factory=Histogram)
     inter_token: Histogram = field(default_factory=Histogram)

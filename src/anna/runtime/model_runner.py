@@ -6,10 +6,11 @@ The runner owns the KV cache tensors and the model; it never decides who runs.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from anna.core.errors import RequestError
 from anna.core.request import Request
 from anna.model.attention import AttentionMetadata, build_metadata, kv_cache_shape, read_slots, write_slots
 from anna.model.host_memory import huge_page_zeros
@@ -37,6 +38,9 @@ class StepResult:
     # by request id: (first prompt position, [(logprob, top alternatives), ...]) for requests with
     # prompt_logprobs whose prefill chunk ran in this step
     prompt_logprobs: dict[str, tuple[int, list[tuple[float, list[tuple[int, float]]]]]]
+    # by request id: the requests this step could not serve (their input, or an error of theirs
+    # alone); they got no token and are to be failed, the others go on
+    failed: dict[str, RequestError] = field(default_factory=dict)
 
 
 PROMPT_LOGPROBS_ROWS = 256  # prompt positions per lm_head call: bounds the [rows, vocab] logits
@@ -153,10 +157,19 @@ class ModelRunner:
             self.write_prompt_kv(req, entry.kv)
         inputs = self.prepare(batch.requests, batch.num_new_tokens)
         hidden = self.forward(inputs)
-        return StepResult(self._sample(batch, inputs, hidden), self._prompt_logprobs(batch, inputs, hidden))
+        failed: dict[str, RequestError] = {}
+        sampled = self._sample(batch, inputs, hidden, failed)
+        return StepResult(sampled, self._prompt_logprobs(batch, inputs, hidden, failed), failed)
 
-    def _prompt_logprobs(self, batch: ScheduledBatch, inputs: ModelInputs,
-                         hidden: torch.Tensor) -> dict[str, tuple[int, list]]:
+    def check_device(self) -> None:
+        """Raise if the device can no longer run anything (after a failed step)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        elif self.device.type == "xpu":
+            torch.xpu.synchronize(self.device)
+
+    def _prompt_logprobs(self, batch: ScheduledBatch, inputs: ModelInputs, hidden: torch.Tensor,
+                         failed: dict[str, RequestError]) -> dict[str, tuple[int, list]]:
         """For requests with prompt_logprobs: the logprob of each prompt token that this step's
         chunk predicts (the hidden state at position p predicts the token at p + 1)."""
         out = {}
@@ -165,18 +178,24 @@ class ModelRunner:
             k = req.sampling_params.prompt_logprobs
             start = req.num_computed_tokens
             end = min(start + n, req.num_prompt_tokens - 1)
-            if k is None or end <= start:
+            if k is None or end <= start or req.request_id in failed:
                 continue
             first_row = inputs.logits_indices[pos] - n + 1
             entries = []
-            for a in range(start, end, PROMPT_LOGPROBS_ROWS):
-                b = min(a + PROMPT_LOGPROBS_ROWS, end)
-                logits = self.model.compute_logits(hidden[first_row + a - start:first_row + b - start])
-                entries += token_logprobs(logits, req.all_token_ids[a + 1:b + 1], [k] * (b - a))
+            try:
+                for a in range(start, end, PROMPT_LOGPROBS_ROWS):
+                    b = min(a + PROMPT_LOGPROBS_ROWS, end)
+                    logits = self.model.compute_logits(hidden[first_row + a - start:first_row + b - start])
+                    entries += token_logprobs(logits, req.all_token_ids[a + 1:b + 1], [k] * (b - a))
+            except Exception as exc:  # this request's alone: the others keep theirs
+                log.exception("prompt logprobs failed for request %s", req.request_id)
+                failed[req.request_id] = RequestError.internal(exc)
+                continue
             out[req.request_id] = (start + 1, entries)
         return out
 
-    def _sample(self, batch: ScheduledBatch, inputs: ModelInputs, hidden: torch.Tensor) -> dict[str, SampledToken]:
+    def _sample(self, batch: ScheduledBatch, inputs: ModelInputs, hidden: torch.Tensor,
+                failed: dict[str, RequestError]) -> dict[str, SampledToken]:
         sampling = [(pos, batch.requests[i]) for pos, i in enumerate(inputs.order)
                     if batch.requests[i].num_computed_tokens + batch.num_new_tokens[i]
                     == batch.requests[i].num_tokens]
@@ -187,7 +206,9 @@ class ModelRunner:
         reqs = [r for _, r in sampling]
         with profiled(self.model.lm_head.policy, "sampling"):
             result: SampleResult = self.sampler(logits, reqs)
+        for i, error in result.failed.items():
+            failed[reqs[i].request_id] = error
         host = result.tokens.tolist() if any(r.sync_every == 1 for r in reqs) else None
         return {r.request_id: SampledToken(host[i] if host is not None and r.sync_every == 1 else None,
                                            result.logprobs[i], (result.tokens, i))
-                for i, r in enumerate(reqs)}
+                for i, r in enumerate(reqs) if i not in result.failed}

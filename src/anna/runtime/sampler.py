@@ -7,13 +7,17 @@ what else is in the batch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
+from anna.core.errors import RequestError
 from anna.core.request import Request
 from anna.runtime.structured_output import apply_grammar_masks
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -21,6 +25,7 @@ class SampleResult:
     tokens: torch.Tensor  # [rows] long, on the device: read it on the host only when needed
     # per row: (chosen token logprob, [(token id, logprob), ...]) or None when not asked for
     logprobs: list[tuple[float, list[tuple[int, float]]] | None]
+    failed: dict[int, RequestError] = field(default_factory=dict)  # rows that got no token, and why
 
 
 class Sampler:
@@ -48,51 +53,103 @@ class Sampler:
         return gen
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SampleResult:
+        """Sample one token per row. A row whose request cannot be sampled (its bans leave no
+        token, or its processing raises) is reported in ``failed`` and the other rows go on."""
         params = [r.sampling_params for r in requests]
         raw = logits
         if all(p.greedy and not _needs_processing(r) for p, r in zip(params, requests)) \
                 and all(p.logprobs is None for p in params):
             return SampleResult(self.argmax(logits), [None] * len(requests))
         logits = logits.clone()
+        failed: dict[int, RequestError] = {}
         constrained = [i for i, r in enumerate(requests) if r.grammar is not None]
         if constrained:  # before penalties, so that nothing can lift a forbidden token back
-            apply_grammar_masks(logits, constrained, [requests[i].grammar for i in constrained])
-        for i, req in enumerate(requests):
-            if _needs_processing(req):
-                _apply_penalties_and_bias(logits[i], req)
+            _per_row(constrained, failed, lambda rows: apply_grammar_masks(
+                logits, rows, [requests[i].grammar for i in rows]))
+        for i, req in enumerate(requests):  # row by row: neither step may run twice on a row
+            if _needs_processing(req) and i not in failed:
+                _per_row([i], failed, lambda rows: _apply_penalties_and_bias(logits[rows[0]], requests[rows[0]]))
         if constrained:  # the grammar wins where penalties (min_tokens' EOS ban) left it no token
             dead = [i for i, top in zip(constrained, logits[constrained].max(dim=-1).values.tolist())
-                    if top == float("-inf")]
+                    if top == float("-inf") and i not in failed]
             if dead:
                 logits[dead] = raw[dead]
-                apply_grammar_masks(logits, dead, [requests[i].grammar for i in dead])
-        tokens = torch.empty(len(requests), dtype=torch.long, device=logits.device)
-        for i, (req, p) in enumerate(zip(requests, params)):
-            row = logits[i]
-            if p.greedy:
-                tokens[i] = row.argmax()
-                continue
-            row = row / p.temperature
-            if p.top_k > 0 and p.top_k < row.shape[-1]:
-                kth = torch.topk(row, p.top_k).values[-1]
-                row = row.masked_fill(row < kth, float("-inf"))
-            probs = torch.softmax(row, dim=-1)
-            if p.top_p < 1.0:
-                sorted_probs, order = probs.sort(descending=True)
-                cum = sorted_probs.cumsum(-1)
-                drop = (cum - sorted_probs) > p.top_p  # keep the smallest set reaching top_p
-                probs = probs.scatter(0, order, sorted_probs.masked_fill(drop, 0.0))
-            if p.min_p > 0.0:
-                probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
-            tokens[i] = torch.multinomial(probs, 1, generator=self._generator(req))[0]
+                _per_row(dead, failed, lambda rows: apply_grammar_masks(
+                    logits, rows, [requests[i].grammar for i in rows]))
+        for i, top in enumerate(logits.max(dim=-1).values.tolist()):
+            if i not in failed and not top > float("-inf"):  # -inf: nothing left; nan: broken logits
+                failed[i] = _unsamplable(requests[i]) if top == float("-inf") else RequestError(
+                    "the model produced non-finite logits for this request")
+        finite_max = torch.finfo(logits.dtype).max
+        tokens = torch.zeros(len(requests), dtype=torch.long, device=logits.device)
+
+        def sample(rows: list[int]) -> None:
+            tokens[rows[0]] = self._sample_row(logits[rows[0]], requests[rows[0]], finite_max)
+
+        for i in range(len(requests)):
+            if i not in failed:
+                _per_row([i], failed, sample)
         logprobs: list[tuple[float, list[tuple[int, float]]] | None] = [None] * len(requests)
-        want = [i for i, p in enumerate(params) if p.logprobs is not None]
+        want = [i for i, p in enumerate(params) if p.logprobs is not None and i not in failed]
         if want:
             token_list = tokens.tolist()
-            found = token_logprobs(raw[want], [token_list[i] for i in want], [params[i].logprobs for i in want])
-            for i, entry in zip(want, found):
-                logprobs[i] = entry
-        return SampleResult(tokens, logprobs)
+
+            def fill(rows: list[int]) -> None:
+                found = token_logprobs(raw[rows], [token_list[i] for i in rows], [params[i].logprobs for i in rows])
+                for i, entry in zip(rows, found):
+                    logprobs[i] = entry
+
+            _per_row(want, failed, fill)
+        return SampleResult(tokens, logprobs, failed)
+
+    def _sample_row(self, row: torch.Tensor, req: Request, finite_max: float) -> torch.Tensor:
+        p = req.sampling_params
+        if p.greedy:
+            return row.argmax()
+        # a penalty or a low temperature may push a logit past the float range (repetition_penalty
+        # near 0): clip it to the largest finite value, so that softmax stays defined and the token
+        # stays the favourite
+        row = (row / p.temperature).clamp_(max=finite_max)
+        if p.top_k > 0 and p.top_k < row.shape[-1]:
+            kth = torch.topk(row, p.top_k).values[-1]
+            row = row.masked_fill(row < kth, float("-inf"))
+        probs = torch.softmax(row, dim=-1)
+        if p.top_p < 1.0:
+            sorted_probs, order = probs.sort(descending=True)
+            cum = sorted_probs.cumsum(-1)
+            drop = (cum - sorted_probs) > p.top_p  # keep the smallest set reaching top_p
+            probs = probs.scatter(0, order, sorted_probs.masked_fill(drop, 0.0))
+        if p.min_p > 0.0:
+            probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
+        return torch.multinomial(probs, 1, generator=self._generator(req))[0]
+
+
+def _per_row(rows: list[int], failed: dict[int, RequestError], fn: Callable[[list[int]], None]) -> None:
+    """Run ``fn`` over these rows at once; if it raises, row by row, so that only the rows that
+    raise alone are marked failed (``fn`` must be safe to run again on a row)."""
+    if not rows:
+        return
+    try:
+        fn(rows)
+        return
+    except Exception as exc:
+        if len(rows) == 1:
+            log.exception("sampling failed for request row %d", rows[0])
+            failed[rows[0]] = RequestError.internal(exc)
+            return
+    for row in rows:
+        _per_row([row], failed, fn)
+
+
+def _unsamplable(req: Request) -> RequestError:
+    """The 400 for a row that its own bans and masks left with no token to sample."""
+    p = req.sampling_params
+    fields = [name for name, on in (("allowed_token_ids", p.allowed_token_ids), ("bad_words", req.bad_word_ids),
+                                    ("min_tokens", req.num_output_tokens < p.min_tokens),
+                                    ("structured_outputs", req.grammar is not None)) if on]
+    names = ", ".join(fields) or "sampling parameters"
+    return RequestError(f"{names}: together they leave no token that may be generated next", status=400,
+                        param=fields[0] if fields else None)
 
 
 def token_logprobs(logits: torch.Tensor, targets: list[int],

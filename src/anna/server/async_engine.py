@@ -12,8 +12,9 @@ import logging
 import queue
 import threading
 import time
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
+from anna.core.errors import EngineDeadError, RequestError
 from anna.core.outputs import RequestOutput
 from anna.core.sampling_params import SamplingParams
 from anna.runtime.engine import LLMEngine
@@ -21,13 +22,13 @@ from anna.runtime.engine import LLMEngine
 log = logging.getLogger(__name__)
 
 
-class EngineDeadError(RuntimeError):
-    pass
-
-
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, on_dead: Callable[[BaseException], None] | None = None) -> None:
+        """``on_dead``: called (from the loop thread) when the engine cannot go on, after every
+        waiting request has been failed; ``anna serve`` exits non-zero then, so that a supervisor
+        restarts it."""
         self.engine = engine
+        self.on_dead = on_dead
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -52,7 +53,11 @@ class AsyncEngine:
             while True:
                 item = await out_q.get()
                 if isinstance(item, BaseException):
+                    finished = True  # the engine has already let it go
                     raise item
+                if item.error is not None:
+                    finished = True
+                    raise item.error
                 yield item
                 if item.finished:
                     finished = True
@@ -63,6 +68,16 @@ class AsyncEngine:
 
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
+        self._wake.set()
+
+    @property
+    def num_in_flight(self) -> int:
+        """Requests handed to the engine whose callers still wait for them."""
+        return len(self._streams) + self._commands.qsize()
+
+    def fail_all(self, error: RequestError) -> None:
+        """End every request in flight with ``error`` (its caller gets it as a final error)."""
+        self._commands.put(("fail_all", error))
         self._wake.set()
 
     def shutdown(self) -> None:
@@ -85,6 +100,11 @@ class AsyncEngine:
                 except Exception as exc:  # invalid request: report to its caller only
                     loop, q = stream
                     loop.call_soon_threadsafe(q.put_nowait, exc)
+            elif cmd[0] == "fail_all":
+                for rid, (loop, q) in list(self._streams.items()):
+                    self.engine.abort_request(rid)
+                    loop.call_soon_threadsafe(q.put_nowait, cmd[1])
+                self._streams.clear()
             else:
                 rid = cmd[1]
                 self._streams.pop(rid, None)
@@ -135,9 +155,19 @@ class AsyncEngine:
                         del self._streams[out.request_id]
                     loop, q = stream
                     loop.call_soon_threadsafe(q.put_nowait, out)
-        except BaseException as exc:  # a bug in the loop: fail every waiting request loudly
-            log.exception("engine loop crashed")
+        except BaseException as exc:  # the engine cannot go on: fail every waiting request loudly
+            log.critical("engine loop stopped: %s", exc, exc_info=not isinstance(exc, EngineDeadError))
             self.error = exc
+            dead = exc if isinstance(exc, EngineDeadError) else EngineDeadError(f"engine loop crashed: {exc!r}")
+            while True:  # requests handed over but not yet added get the same answer
+                try:
+                    cmd = self._commands.get_nowait()
+                except queue.Empty:
+                    break
+                if cmd[0] == "add":
+                    self._streams[cmd[1]] = cmd[4]
             for loop, q in self._streams.values():
-                loop.call_soon_threadsafe(q.put_nowait, EngineDeadError(f"engine loop crashed: {exc!r}"))
+                loop.call_soon_threadsafe(q.put_nowait, dead)
             self._streams.clear()
+            if self.on_dead is not None:
+                self.on_dead(exc)

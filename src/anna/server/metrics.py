@@ -53,6 +53,14 @@ class EngineCollector:
         for reason in ("stop", "length"):
             fin.add_metric(lv + [reason], stats.finished.get(reason, 0))
         yield fin
+        failed = CounterMetricFamily("anna:request_failure", "Requests failed while running, by HTTP status "
+                                     "(400: their input, 500: an internal error); the others went on.",
+                                     labels=labels + ["status"])
+        for status in ("400", "500"):
+            failed.add_metric(lv + [status], stats.failed.get(int(status), 0))
+        yield failed
+        yield counter("engine_step_failures", "Steps that failed as a whole, failing the requests in them.",
+                      stats.failed_steps)
         pc = engine.prompt_cache
         yield counter("prompt_cache_lookups", "Exact prompt cache lookups.", pc.lookups)
         yield counter("prompt_cache_hits", "Exact prompt cache hits.", pc.hits)
