@@ -8,10 +8,18 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import HealthCheck, settings
 
 from anna.weights.demo_model import write_demo_tokenizer
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# Fuzzing (tests/test_fuzz.py): a bounded, reproducible sample by default; the full run with
+# --hypothesis-profile=anna-fuzz-full
+_FUZZ = dict(deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck))
+settings.register_profile("anna-ci", max_examples=12, **_FUZZ)
+settings.register_profile("anna-fuzz-full", max_examples=1000, **_FUZZ)
+settings.load_profile("anna-ci")
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
 VOCAB = 800  # >= the demo tokenizer's vocabulary
@@ -107,40 +115,51 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="session")
-def live_server(qwen2_dir, cache_dir, tmp_path_factory):
-    """A real `anna serve` process on 127.0.0.1 with the tiny Qwen2 model and an API key."""
+def launch_server(model_dir, cache_dir, log_path, *extra: str, port: int | None = None):
+    """Start `anna serve` on 127.0.0.1 and wait (bounded) until /health says ok; (process, base URL)."""
     import subprocess
     import sys
     import time
 
     import httpx
 
-    port = free_port()
-    log = tmp_path_factory.mktemp("server") / "server.log"
-    cmd = [sys.executable, "-m", "anna.cli.main", "serve", str(qwen2_dir), "--port", str(port),
-           "--served-model-name", SERVER_MODEL, SERVER_MODEL_ALIAS, "--api-key", SERVER_API_KEY, "--dtype", "float32",
-           "--device", "cpu", "--max-model-len", "512", "--num-gpu-blocks-override", "96",
-           "--cache-dir", str(cache_dir), "--log-level", "warning", "--max-n", "4"]
+    port = port or free_port()
+    cmd = [sys.executable, "-m", "anna.cli.main", "serve", str(model_dir), "--port", str(port), "--dtype", "float32",
+           "--device", "cpu", "--max-model-len", "512", "--cache-dir", str(cache_dir), "--log-level", "warning",
+           *extra]
     env = dict(os.environ, ANNA_API_KEY="")
-    with open(log, "w") as fh:
+    with open(log_path, "w") as fh:
         proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env)
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         try:
             if httpx.get(base + "/health", timeout=1).status_code == 200:
-                break
+                return proc, base
         except httpx.TransportError:
             pass
-        assert proc.poll() is None, log.read_text()
+        assert proc.poll() is None, Path(log_path).read_text()
         time.sleep(0.2)
-    else:
-        proc.kill()
-        raise AssertionError("server did not become healthy:\n" + log.read_text())
-    yield base
+    proc.kill()
+    raise AssertionError("server did not become healthy:\n" + Path(log_path).read_text())
+
+
+def stop_server(proc) -> int:
+    import subprocess
+
     proc.terminate()
     try:
-        proc.wait(timeout=15)
+        return proc.wait(timeout=30)
     except subprocess.TimeoutExpired:
         proc.kill()
+        return proc.wait()
+
+
+@pytest.fixture(scope="session")
+def live_server(qwen2_dir, cache_dir, tmp_path_factory):
+    """A real `anna serve` process on 127.0.0.1 with the tiny Qwen2 model and an API key."""
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    proc, base = launch_server(qwen2_dir, cache_dir, log, "--served-model-name", SERVER_MODEL, SERVER_MODEL_ALIAS,
+                               "--api-key", SERVER_API_KEY, "--num-gpu-blocks-override", "96", "--max-n", "4")
+    yield base
+    stop_server(proc)

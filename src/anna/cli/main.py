@@ -67,6 +67,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     printed = 0
     while engine.has_unfinished_requests():
         for out in engine.step():
+            if out.error is not None:
+                raise (ValueError if out.error.status < 500 else RuntimeError)(out.error.message)
             text = out.outputs[0].text
             sys.stdout.write(text[printed:])
             sys.stdout.flush()
@@ -76,20 +78,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    import uvicorn
+    from anna.server.http_server import serve
 
-    from anna.server.app import create_app
-
-    settings = settings_from_args(args).resolve()
-    app = create_app(settings)
-    server = uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.port,
-                                           log_level=settings.log_level, timeout_graceful_shutdown=5))
-    state = app.state.anna
-    state.on_load_error = lambda: setattr(server, "should_exit", True)  # a model that cannot load: exit
-    server.run()
-    if isinstance(state.load_error, ValueError):
-        raise state.load_error  # main() prints it as one line
-    return 1 if state.load_error is not None else 0
+    return serve(settings_from_args(args).resolve())
 
 
 def build_parser() -> argparse.ArgumentParser:

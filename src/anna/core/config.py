@@ -185,10 +185,31 @@ class ServeSettings:
     # Server
     host: str | None = _setting("127.0.0.1", "Address the HTTP server listens on.")
     port: int | None = _setting(8000, "Port the HTTP server listens on.", maximum=65535)
-    api_key: str | None = _setting("", "If set, every route but /health needs 'Authorization: Bearer KEY'.")
+    api_key: str | None = _setting(
+        "", "If set, every route but /health needs 'Authorization: Bearer KEY' (or 'x-api-key: KEY', as Anthropic's "
+            "clients send it).")
     allowed_origins: str | None = _setting(
         "*", "Comma-separated origins whose web pages may call the API (CORS); * = any, empty = none.")
     max_n: int | None = _setting(8, "Most parallel samples (n) one request may ask for.", minimum=1)
+    max_request_bytes: int | None = _setting(
+        16 * 1024 * 1024, "Largest request body the server reads, in bytes (16 MiB: a 128K-token prompt is well "
+        "under 1 MiB); larger ones get 413.", minimum=1)
+    header_read_timeout: float | None = _setting(
+        30.0, "Seconds a connection may take to send a request's headers; then it gets 408 and is closed. 0 = no "
+              "limit.")
+    body_read_timeout: float | None = _setting(
+        60.0, "Seconds a request may take to send its whole body; then it gets 408. 0 = no limit.")
+    shutdown_timeout: float | None = _setting(
+        20.0, "On SIGTERM or SIGINT: seconds requests in flight may take to finish (no new ones are accepted); "
+              "those still running then end with an error (a final error event when streaming), and Anna exits 0.")
+    prompt_workers: int | None = _setting(
+        2, "Threads that render chat templates, tokenize prompts and compile grammars for generation requests.",
+        minimum=1)
+    tokenize_workers: int | None = _setting(
+        1, "Threads that serve /tokenize and /detokenize, apart from generation's, so they cannot delay it.",
+        minimum=1)
+    text_queue_limit: int | None = _setting(
+        32, "Jobs that may wait for each of those thread pools; a request beyond that gets 503 (server busy).")
     tool_call_parser: str | None = _setting("hermes", "How tool calls are read from model output.",
                                             choices=("hermes", "none"))
     reasoning_parser: str | None = _setting(

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hmac
 import json
 import logging
 import threading
@@ -20,18 +19,23 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from anna.core.config import ResolvedSettings
+from anna.core.errors import EngineDeadError, RequestError
 from anna.core.outputs import CompletionOutput, RequestOutput
 from anna.core.sampling_params import SamplingParams, StructuredOutputsParams
 from anna.runtime.engine import LLMEngine
 from anna.runtime.warmup import run_warmup
-from anna.server.async_engine import AsyncEngine, EngineDeadError
+from anna.server.async_engine import AsyncEngine
 from anna.server.chat import render_chat_request
 from anna.server.constraints import after_reasoning, compile_constraint, forced_tool_constraint, request_constraint
+from anna.server.guard import RequestGuard
+from anna.server.json_body import parse_json_body
+from anna.server.openapi import document_request_bodies
 from anna.server.logprobs import chat_logprobs, completion_logprobs, echoed_logprobs, vllm_prompt_logprobs
 from anna.server.metrics import EngineCollector, make_registry, render
 from anna.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                  SamplingFields, StreamOptions, TokenizeRequest)
+                                  NamedToolChoice, SamplingFields, StreamOptions, TokenizeRequest, error_response)
 from anna.server.reasoning import REASONING_PARSERS
+from anna.server.text_pool import TextPool
 from anna.server.tool_parsers import TOOL_PARSERS, ParsedToolCall, ToolCallStreamer
 
 log = logging.getLogger(__name__)
@@ -43,8 +47,18 @@ class ServerState:
     engine: AsyncEngine | None = None
     load_error: BaseException | None = None
     on_load_error: Callable[[], None] | None = None  # `anna serve` stops the server: it refuses to start
+    # `anna serve` stops the server (exit code 1) when the engine cannot go on: a supervisor restarts it
+    on_engine_dead: Callable[[BaseException], None] | None = None
     model_names: list[str] = field(default_factory=list)  # what requests may name; responses report the first
     created: int = field(default_factory=lambda: int(time.time()))
+    draining: bool = False  # shutting down: requests in flight finish, new ones get 503
+    prompt_pool: TextPool | None = None  # chat templates, prompt tokenization, grammars of generation requests
+    tokenize_pool: TextPool | None = None  # /tokenize and /detokenize
+
+    def __post_init__(self) -> None:
+        s = self.settings
+        self.prompt_pool = TextPool("prompt", s.prompt_workers, s.text_queue_limit)
+        self.tokenize_pool = TextPool("tokenize", s.tokenize_workers, s.text_queue_limit)
 
     @property
     def model_name(self) -> str:
@@ -66,10 +80,7 @@ def served_names(settings: ResolvedSettings) -> list[str]:
 # ---------------------------------------------------------------- request helpers
 
 async def parse_body(request: Request, model: type[BaseModel]) -> Any:
-    try:
-        body = await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise APIError(400, f"invalid JSON body: {exc}") from None
+    body = parse_json_body(await request.body())
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
     try:
@@ -154,14 +165,14 @@ async def run_until_done(request: Request, work: Any) -> Any:
     return task.result()
 
 
-async def chat_prompt_ids(engine: LLMEngine, req: Any, tools: list[dict[str, Any]] | None,
+async def chat_prompt_ids(pool: TextPool, engine: LLMEngine, req: Any, tools: list[dict[str, Any]] | None,
                           truncate_prompt_tokens: int | None = None) -> list[int]:
     """The chat template rendered and tokenized off the event loop: a long conversation would
     otherwise pause every stream for as long as it takes."""
     def work() -> list[int]:
         ids = engine.tokenizer.encode(render_chat_request(engine.tokenizer, req, tools), add_special_tokens=False)
         return engine.encode_prompt(ids, truncate_prompt_tokens)[1] if truncate_prompt_tokens else ids
-    return await asyncio.to_thread(work)
+    return await pool.run(work)
 
 
 async def final_output(gen: AsyncIterator[RequestOutput]) -> RequestOutput:
@@ -169,13 +180,27 @@ async def final_output(gen: AsyncIterator[RequestOutput]) -> RequestOutput:
     try:
         async for out in gen:
             last = out
-    except ValueError as exc:  # the engine refused the request (its errors start with the field's name)
-        raise invalid_request(exc) from None
+    except Exception as exc:
+        raise as_api_error(exc) from None
     return last
 
 
 def invalid_request(exc: ValueError) -> APIError:
     return APIError(400, str(exc), param=str(exc).split(":", 1)[0])
+
+
+def as_api_error(exc: BaseException) -> APIError:
+    """How an error of the engine's reaches an HTTP client."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, RequestError):
+        return APIError(exc.status, exc.message, param=exc.param)
+    if isinstance(exc, EngineDeadError):
+        return APIError(503, str(exc))
+    if isinstance(exc, ValueError):  # the engine refused the request (its errors start with the field's name)
+        return invalid_request(exc)
+    log.error("request failed: %s: %s", type(exc).__name__, exc)
+    return APIError(500, f"internal error: {type(exc).__name__}: {exc}")
 
 
 def sse(data: Any) -> str:
@@ -245,6 +270,10 @@ def create_app(settings: ResolvedSettings, *, load_in_background: bool = True) -
     registry = make_registry(EngineCollector(lambda: state.engine.engine if state.engine else None,
                                              state.model_name))
 
+    def engine_dead(exc: BaseException) -> None:
+        if state.on_engine_dead is not None:
+            state.on_engine_dead(exc)
+
     def load() -> None:
         try:
             engine = LLMEngine(settings)
@@ -252,7 +281,7 @@ def create_app(settings: ResolvedSettings, *, load_in_background: bool = True) -
                 run_warmup(engine)
             else:
                 log.warning("Inference warmup is off (--no-inference-warmup): the first requests pay first-use costs")
-            state.engine = AsyncEngine(engine)
+            state.engine = AsyncEngine(engine, on_dead=engine_dead)
             log.info("Ready: serving %s on http://%s:%d", ", ".join(map(repr, state.model_names)), settings.host,
                      settings.port)
         except BaseException as exc:  # reported by /health and every route
@@ -272,41 +301,35 @@ def create_app(settings: ResolvedSettings, *, load_in_background: bool = True) -
         yield
         if state.engine is not None:
             state.engine.shutdown()
+        state.prompt_pool.shutdown()
+        state.tokenize_pool.shutdown()
 
     app = FastAPI(title="Anna", lifespan=lifespan)
     app.state.anna = state
 
     @app.exception_handler(APIError)
-    async def api_error(_: Request, exc: APIError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status)
+    async def api_error(_: Request, exc: APIError) -> Response:
+        return error_response(exc)
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def http_error(_: Request, exc: StarletteHTTPException) -> Response:
         """Unknown routes and methods answer in OpenAI's error shape too, not FastAPI's {"detail": ...}."""
-        return JSONResponse(APIError(exc.status_code, str(exc.detail)).body(), status_code=exc.status_code,
-                            headers=exc.headers)
+        return error_response(APIError(exc.status_code, str(exc.detail)), headers=exc.headers)
 
+    @app.exception_handler(RequestError)
     @app.exception_handler(EngineDeadError)
-    async def engine_dead(_: Request, exc: EngineDeadError) -> JSONResponse:
-        return JSONResponse(APIError(503, str(exc)).body(), status_code=503)
+    async def engine_error(_: Request, exc: Exception) -> Response:
+        return error_response(as_api_error(exc))
 
-    @app.middleware("http")
-    async def check_api_key(request: Request, call_next):
-        key = settings.api_key
-        if key and request.url.path != "/health":
-            given = request.headers.get("authorization", "")
-            expected = f"Bearer {key}"
-            if not hmac.compare_digest(given.encode(), expected.encode()):
-                err = APIError(401, "invalid or missing API key (expected 'Authorization: Bearer <key>')")
-                return JSONResponse(err.body(), status_code=401)
-        return await call_next(request)
-
+    app.add_middleware(RequestGuard, settings=settings, draining=lambda: state.draining)
     origins = [o.strip() for o in settings.allowed_origins.split(",") if o.strip()]
     if origins:  # added last, so outermost: browsers' preflight requests carry no API key
         app.add_middleware(CORSMiddleware, allow_origins=origins, allow_methods=["*"], allow_headers=["*"])
 
     @app.get("/health")
     async def health() -> Response:
+        if state.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
         if state.engine is not None and state.engine.error is None:
             return JSONResponse({"status": "ok"})
         detail = "loading" if state.load_error is None and state.engine is None else "error"
@@ -343,9 +366,9 @@ def create_app(settings: ResolvedSettings, *, load_in_background: bool = True) -
         engine = state.core
         if req.messages is not None:
             tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
-            ids = await chat_prompt_ids(engine, req, tools)
+            ids = await chat_prompt_ids(state.tokenize_pool, engine, req, tools)
         elif req.prompt is not None:
-            ids = await asyncio.to_thread(engine.tokenizer.encode, req.prompt, req.add_special_tokens)
+            ids = await state.tokenize_pool.run(engine.tokenizer.encode, req.prompt, req.add_special_tokens)
         else:
             raise APIError(400, "prompt: give 'prompt' or 'messages'", param="prompt")
         return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len})
@@ -358,7 +381,8 @@ def create_app(settings: ResolvedSettings, *, load_in_background: bool = True) -
         vocab = engine.model_config.vocab_size
         if any(not 0 <= t < vocab for t in req.tokens):
             raise APIError(400, f"tokens: ids must be in 0..{vocab - 1}", param="tokens")
-        return JSONResponse({"prompt": engine.tokenizer.decode(req.tokens, skip_special_tokens=False)})
+        text = await state.tokenize_pool.run(engine.tokenizer.decode, req.tokens, False)
+        return JSONResponse({"prompt": text})
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -367,8 +391,8 @@ def create_app(settings: ResolvedSettings, *, load_in_background: bool = True) -
         engine = state.core
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
         choice = req.tool_choice
-        if isinstance(choice, dict):
-            name = (choice.get("function") or {}).get("name")
+        if isinstance(choice, NamedToolChoice):
+            name = choice.function.name
             if not tools or name not in {t["function"]["name"] for t in tools}:
                 raise APIError(400, f"tool_choice: function {name!r} is not among the tools", param="tool_choice")
         elif choice not in (None, "none", "auto", "required"):
@@ -378,7 +402,7 @@ def create_app(settings: ResolvedSettings, *, load_in_background: bool = True) -
             raise APIError(400, "tool_choice: 'required' needs tools", param="tool_choice")
         if choice == "none":
             tools = None
-        if isinstance(choice, dict) or choice == "required":
+        if isinstance(choice, NamedToolChoice) or choice == "required":
             forced = tools if choice == "required" else [t for t in tools if t["function"]["name"] == name]
             spec, spec_field = forced_tool_constraint(forced, req.parallel_tool_calls and choice == "required",
                                                       state.settings.tool_call_parser)
@@ -388,11 +412,11 @@ def create_app(settings: ResolvedSettings, *, load_in_background: bool = True) -
             spec = after_reasoning(spec)
         if req.top_logprobs and not req.logprobs:
             raise APIError(400, "top_logprobs: needs logprobs set to true", param="top_logprobs")
-        ids = await chat_prompt_ids(engine, req, tools, req.truncate_prompt_tokens)
+        ids = await chat_prompt_ids(state.prompt_pool, engine, req, tools, req.truncate_prompt_tokens)
         top = (req.top_logprobs or 0) if req.logprobs else None
         params = build_sampling_params(state, req, len(ids), req.max_completion_tokens or req.max_tokens, top, spec,
                                        req.prompt_logprobs)
-        await compile_constraint(engine, spec, spec_field)
+        await compile_constraint(state.prompt_pool, engine, spec, spec_field)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         parse_tools = tools is not None
         gen = state.engine.generate(rid, ids, params)
@@ -436,7 +460,7 @@ def create_app(settings: ResolvedSettings, *, load_in_background: bool = True) -
         encoded = []
         for p in prompts:
             try:
-                text, ids = await asyncio.to_thread(engine.encode_prompt, p, req.truncate_prompt_tokens)
+                text, ids = await state.prompt_pool.run(engine.encode_prompt, p, req.truncate_prompt_tokens)
             except ValueError as exc:
                 raise APIError(400, str(exc), param="prompt") from None
             encoded.append((text, ids))
@@ -445,7 +469,7 @@ def create_app(settings: ResolvedSettings, *, load_in_background: bool = True) -
         prompt_top = req.prompt_logprobs if req.prompt_logprobs is not None else top if req.echo else None
         all_params = [build_sampling_params(state, req, len(ids), req.max_tokens, top, spec, prompt_top)
                       for _, ids in encoded]
-        await compile_constraint(engine, spec, spec_field)
+        await compile_constraint(state.prompt_pool, engine, spec, spec_field)
         rid = f"cmpl-{uuid.uuid4().hex}"
         gens = [state.engine.generate(f"{rid}-{i}", ids, p) for i, ((_, ids), p) in enumerate(zip(encoded, all_params))]
         base = {"id": rid, "created": int(time.time()), "model": state.model_name}
@@ -475,6 +499,8 @@ def create_app(settings: ResolvedSettings, *, load_in_background: bool = True) -
         return JSONResponse({**base, "object": "text_completion", "choices": choices,
                              "usage": usage(prompt_tokens, completion_tokens, cached)})
 
+    document_request_bodies(app, {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest,
+                                  "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest})
     return app
 
 
@@ -535,8 +561,8 @@ async def chat_stream(state: ServerState, gen: AsyncIterator[RequestOutput], bas
                     done[i] = True
                     yield emit(i, {}, finish_reason(o, parsers[i]))
     except Exception as exc:  # the stream has started: report in-band, as OpenAI does
-        status = 503 if isinstance(exc, EngineDeadError) else 400 if isinstance(exc, ValueError) else 500
-        yield sse(APIError(status, str(exc)).body())
+        yield sse(as_api_error(exc).body())
+        yield "data: [DONE]\n\n"
         return
     if include_usage and last is not None:
         completion = sum(len(o.token_ids) for o in last.outputs)
@@ -574,7 +600,8 @@ async def completion_stream(state: ServerState, gens: list[AsyncIterator[Request
                 running -= 1
                 continue
             if isinstance(item, Exception):
-                yield sse(APIError(503, str(item)).body())
+                yield sse(as_api_error(item).body())
+                yield "data: [DONE]\n\n"
                 return
             finals[i] = item
             for o in item.outputs:

@@ -6,7 +6,7 @@ import json
 from typing import Any
 
 from anna.server.protocol import APIError, ChatCompletionRequest, ChatMessage, TokenizeRequest
-from anna.weights.chat_template import ChatTemplateError, render_chat
+from anna.weights.chat_template import ChatTemplateError, check_template_kwargs, render_chat
 from anna.weights.tokenizer import Tokenizer
 
 NON_TEXT_PARTS = {"image_url", "image", "input_image", "input_audio", "audio", "audio_url", "video_url", "file"}
@@ -18,6 +18,9 @@ def _content_text(content: str | list[dict[str, Any]] | None, index: int) -> str
     texts = []
     for part in content:
         kind = part.get("type")
+        if not isinstance(kind, str):
+            raise APIError(400, f"messages[{index}].content: each part needs a string 'type' (got {kind!r})",
+                           param=f"messages[{index}].content")
         if kind in ("text", "input_text"):
             if not isinstance(part.get("text"), str):
                 raise APIError(400, f"messages[{index}].content: a '{kind}' part needs a string 'text'",
@@ -86,13 +89,17 @@ def render_chat_request(tok: Tokenizer, req: ChatCompletionRequest | TokenizeReq
                         tools: list[dict[str, Any]] | None) -> str:
     messages = to_template_messages(req.messages)
     kwargs = dict(req.chat_template_kwargs or {})
+    try:
+        check_template_kwargs(kwargs)
+    except ValueError as exc:
+        raise APIError(400, str(exc), param="chat_template_kwargs") from None
     add_generation_prompt = req.add_generation_prompt and not req.continue_final_message
     special = {"bos_token": tok.bos_token, "eos_token": tok.eos_token}
     error: ChatTemplateError | None = None
     for attempt in (messages, _merge_system(messages), _system_into_user(messages)):
         try:
             text = render_chat(tok.chat_template, attempt, add_generation_prompt=add_generation_prompt,
-                               tools=tools, special_tokens=special, **kwargs)
+                               tools=tools, special_tokens=special, template_kwargs=kwargs)
         except ChatTemplateError as exc:
             error = error or exc
             continue

@@ -8,7 +8,6 @@ Sources, in order: a forced tool call (``tool_choice: "required"`` or a named fu
 
 from __future__ import annotations
 
-import asyncio
 import json
 from typing import Any
 
@@ -16,6 +15,7 @@ from anna.core.sampling_params import StructuredOutputsParams
 from anna.runtime.engine import LLMEngine
 from anna.runtime.structured_output import json_schema_of
 from anna.server.protocol import APIError, SamplingFields
+from anna.server.text_pool import TextPool
 from anna.server.tool_parsers import TOOL_GRAMMAR_START, TOOL_PARSERS
 
 GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
@@ -86,12 +86,13 @@ def request_constraint(req: SamplingFields) -> tuple[StructuredOutputsParams | N
         raise APIError(400, f"{field}: {str(exc).split(': ', 1)[-1]}", param=field) from None
 
 
-async def compile_constraint(engine: LLMEngine, spec: StructuredOutputsParams | None, field: str) -> None:
+async def compile_constraint(pool: TextPool, engine: LLMEngine, spec: StructuredOutputsParams | None,
+                             field: str) -> None:
     """Compile (or find in the cache) off the event loop and off the engine thread, so that an
     invalid constraint is a 400 before any response starts and a slow one stalls nobody else."""
     if spec is None:
         return
     try:
-        await asyncio.to_thread(engine.structured.compile, spec, field)
+        await pool.run(engine.structured.compile, spec, field)
     except ValueError as exc:
         raise APIError(400, str(exc), param=field) from None

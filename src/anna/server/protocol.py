@@ -3,9 +3,11 @@ and the error shape ``{"error": {"message", "type", "param", "code"}}``."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import json
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from fastapi.responses import Response
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from anna.core.sampling_params import MAX_LOGPROBS
 
@@ -24,8 +26,17 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+def error_response(err: APIError, headers: dict[str, str] | None = None) -> Response:
+    """OpenAI's error JSON. ASCII-escaped, so that no text in a message can make it fail to encode."""
+    if err.status in (408, 413):  # the rest of the body may still be on its way: do not read it
+        headers = {"Connection": "close", **(headers or {})}
+    return Response(json.dumps(err.body()), status_code=err.status, media_type="application/json",
+                    headers=headers)
+
+
 class _Lenient(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # Unknown fields are ignored; numbers must be finite, also when given as strings ("inf").
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
 
 class StreamOptions(_Lenient):
@@ -101,13 +112,31 @@ class ChatMessage(_Lenient):
     reasoning_content: str | None = None
 
 
+class NamedFunction(_Lenient):
+    name: str
+
+
+class NamedToolChoice(_Lenient):
+    """``tool_choice: {"type": "function", "function": {"name": ...}}``: call this function."""
+
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+def _check_tool_choice(value: Any) -> Any:
+    if isinstance(value, dict) and not (isinstance(value.get("function"), dict)
+                                        and isinstance(value["function"].get("name"), str)):
+        raise ValueError('a named tool choice is {"type": "function", "function": {"name": "<a tool\'s name>"}}')
+    return value
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     tools: list[ToolDef] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tool_choice: Annotated[str | NamedToolChoice | None, BeforeValidator(_check_tool_choice)] = None
     parallel_tool_calls: bool = True
     add_generation_prompt: bool = True
     continue_final_message: bool = False

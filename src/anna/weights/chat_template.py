@@ -69,13 +69,29 @@ def load_chat_template(value: str) -> str:
     return template
 
 
+# Template variables that come from their own arguments, never from chat_template_kwargs
+RESERVED_TEMPLATE_VARIABLES = ("messages", "tools")
+
+
+def check_template_kwargs(kwargs: dict[str, Any]) -> None:
+    """ValueError naming chat_template_kwargs if it would set a variable that has its own field."""
+    for name in RESERVED_TEMPLATE_VARIABLES:
+        if name in kwargs:
+            raise ValueError(f"chat_template_kwargs: {name!r} may not be given here; it comes from the "
+                             f"request's own {name!r}")
+
+
 def render_chat(template: str | None, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
                 tools: list[dict[str, Any]] | None = None, special_tokens: dict[str, str | None] | None = None,
-                **kwargs: Any) -> str:
+                template_kwargs: dict[str, Any] | None = None) -> str:
+    """``template_kwargs`` are extra template variables (chat_template_kwargs); as in vLLM they may
+    override add_generation_prompt and the special tokens, but not the messages or the tools."""
+    check_template_kwargs(template_kwargs or {})
     compiled = _compile(template or CHATML_TEMPLATE)
+    variables = {"add_generation_prompt": add_generation_prompt, **(special_tokens or {}), **(template_kwargs or {}),
+                 "messages": messages, "tools": tools}
     try:
-        return compiled.render(messages=messages, tools=tools, add_generation_prompt=add_generation_prompt,
-                               **(special_tokens or {}), **kwargs)
+        return compiled.render(**variables)
     except ChatTemplateError:
         raise
     except jinja2.exceptions.SecurityError as exc:

@@ -1,0 +1,45 @@
+"""``/openapi.json`` with the request body of every route, from the same pydantic models that
+validate them, so that client generators and schema-driven fuzzers see what each route takes.
+
+Routes read their bodies themselves (``parse_body``: stricter JSON than FastAPI's, and OpenAI's
+error shape), so FastAPI cannot infer the bodies; this adds them to the generated document.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+from pydantic import BaseModel
+from pydantic.json_schema import models_json_schema
+
+ERROR_SCHEMA = {"type": "object", "required": ["error"], "properties": {"error": {
+    "type": "object", "required": ["message", "type"], "properties": {
+        "message": {"type": "string"}, "type": {"type": "string"},
+        "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}}
+
+
+def document_request_bodies(app: FastAPI, bodies: dict[str, type[BaseModel]]) -> None:
+    """Make ``app.openapi()`` describe ``bodies`` (path -> model) as the POST bodies of those routes."""
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        refs, defs = models_json_schema([(model, "validation") for model in bodies.values()],
+                                        ref_template="#/components/schemas/{model}")
+        schemas = doc.setdefault("components", {}).setdefault("schemas", {})
+        schemas.update(defs.get("$defs", {}))
+        schemas["Error"] = ERROR_SCHEMA
+        error = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
+        for path, model in bodies.items():
+            operation = doc["paths"][path]["post"]
+            operation["requestBody"] = {"required": True, "content": {
+                "application/json": {"schema": refs[(model, "validation")]}}}
+            operation["responses"].update({"400": {"description": "Invalid request", **error},
+                                           "401": {"description": "Missing or wrong API key", **error}})
+        app.openapi_schema = doc
+        return doc
+
+    app.openapi = openapi
