@@ -323,7 +323,6 @@ class LLMEngine:
                           batch.total_tokens)
             self._fail_unattributed(batch.requests, exc, touched)
             return self._outputs(touched)
-        sampled = result.sampled
         self.stats.steps.record(batch.step_class, time.perf_counter() - start)
         if self.profiler is not None:
             self.profiler.step_finished(start)
@@ -405,7 +404,8 @@ class LLMEngine:
         if group.error is None:
             group.error = error
             self.stats.failed[error.status] += 1
-            log.warning("request %s failed (%d): %s", group.request_id, error.status, error.message)
+            log.log(logging.WARNING if error.status >= 500 else logging.INFO, "request %s failed (%d): %s",
+                    group.request_id, error.status, error.message)
         for state in group.seqs:
             self._finish(state, "error")
         touched[group.request_id] = group

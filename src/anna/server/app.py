@@ -52,8 +52,8 @@ class ServerState:
     model_names: list[str] = field(default_factory=list)  # what requests may name; responses report the first
     created: int = field(default_factory=lambda: int(time.time()))
     draining: bool = False  # shutting down: requests in flight finish, new ones get 503
-    prompt_pool: TextPool | None = None  # chat templates, prompt tokenization, grammars of generation requests
-    tokenize_pool: TextPool | None = None  # /tokenize and /detokenize
+    prompt_pool: TextPool = field(init=False)  # chat templates, prompt tokenization, grammars of generation requests
+    tokenize_pool: TextPool = field(init=False)  # /tokenize and /detokenize
 
     def __post_init__(self) -> None:
         s = self.settings
