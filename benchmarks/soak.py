@@ -188,6 +188,26 @@ class Soak:
                 "server_pid": pid}
 
 
+def start_server(args: list[str], log_path: Path | None = None) -> tuple[subprocess.Popen, str]:
+    """Start `anna serve ARGS` on a free loopback port; wait (bounded) until /health says ok."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "anna.cli.main", "serve", *args, "--port", str(port), "--log-level", "warning"]
+    with open(log_path or os.devnull, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "ANNA_API_KEY": ""})
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while True:
+        try:
+            if httpx.get(base + "/health", timeout=1).status_code == 200:
+                return proc, base
+        except httpx.TransportError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise SystemExit(f"the server did not start{f'; see {log_path}' if log_path else ''}")
+        time.sleep(0.5)
+
+
 def cpu_model() -> str:
     for line in Path("/proc/cpuinfo").read_text().splitlines():
         if line.startswith("model name"):
@@ -206,26 +226,11 @@ def main() -> int:
     ap.add_argument("--out", default="bench-results", help="Folder for the JSON result.")
     args = ap.parse_args()
 
-    proc = None
-    base = args.url
+    proc, base = None, args.url
     if base is None:
-        port = free_port()
-        cmd = [sys.executable, "-m", "anna.cli.main", "serve", *([args.model] if args.model else []), "--port",
-               str(port), "--served-model-name", "soak", "--log-level", "warning"]
         Path(args.out).mkdir(parents=True, exist_ok=True)
-        with open(Path(args.out) / "soak-server.log", "w") as log:
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "ANNA_API_KEY": ""})
-        base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                if httpx.get(base + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"the server did not start; see {args.out}/soak-server.log")
-            time.sleep(0.5)
+        proc, base = start_server([*([args.model] if args.model else []), "--served-model-name", "soak"],
+                                  Path(args.out) / "soak-server.log")
     try:
         result = asyncio.run(Soak(base, args.clients, args.duration, args.max_tokens, args.seed).run(
             proc.pid if proc else None))

@@ -13,8 +13,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -22,7 +20,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from soak import cpu_model, free_port, rss_mib  # noqa: E402
+from soak import cpu_model, rss_mib, start_server  # noqa: E402
 
 CHAT = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 8, "ignore_eos": True}
 
@@ -72,20 +70,7 @@ def main() -> int:
     args = ap.parse_args()
     proc, base = None, args.url
     if base is None:
-        port = free_port()
-        proc = subprocess.Popen([sys.executable, "-m", "anna.cli.main", "serve", "--port", str(port), "--log-level",
-                                 "warning"], env={**os.environ, "ANNA_API_KEY": ""})
-        base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                if httpx.get(base + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit("the server did not start")
-            time.sleep(0.5)
+        proc, base = start_server([])
     try:
         print(json.dumps(asyncio.run(flood(base, proc.pid if proc else None, args.requests, args.mib)), indent=1))
     finally:

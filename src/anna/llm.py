@@ -125,5 +125,5 @@ class LLM:
             error = done[rid].error
             if error is not None:
                 where = f" (prompt {i})" if len(ids) > 1 else ""
-                raise (ValueError if error.status < 500 else RuntimeError)(error.message + where)
+                raise error.as_exception(where)
         return [done[rid] for rid in ids]

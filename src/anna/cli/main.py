@@ -68,7 +68,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.error is not None:
-                raise (ValueError if out.error.status < 500 else RuntimeError)(out.error.message)
+                raise out.error.as_exception()
             text = out.outputs[0].text
             sys.stdout.write(text[printed:])
             sys.stdout.flush()

@@ -15,6 +15,10 @@ class RequestError(Exception):
         super().__init__(message)
         self.message, self.status, self.param = message, status, param
 
+    def as_exception(self, where: str = "") -> Exception:
+        """What a library caller gets: ValueError when the input caused it, RuntimeError otherwise."""
+        return (ValueError if self.status < 500 else RuntimeError)(self.message + where)
+
     @classmethod
     def internal(cls, exc: BaseException) -> "RequestError":
         """An unexpected exception while serving one request, as that request's error."""

@@ -70,11 +70,6 @@ class AsyncEngine:
         self._commands.put(("abort", request_id))
         self._wake.set()
 
-    @property
-    def num_in_flight(self) -> int:
-        """Requests handed to the engine whose callers still wait for them."""
-        return len(self._streams) + self._commands.qsize()
-
     def fail_all(self, error: RequestError) -> None:
         """End every request in flight with ``error`` (its caller gets it as a final error)."""
         self._commands.put(("fail_all", error))
