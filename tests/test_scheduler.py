@@ -234,3 +234,12 @@ def test_prompt_cache_auto_resolution(qwen2_dir, cache_dir):
     engine.add_request("y", long_prompt, SamplingParams(max_tokens=2, ignore_eos=True))
     drain(engine)
     assert engine.prompt_cache.hits == 0 and tuple(long_prompt) in engine.prompt_cache.entries
+
+
+def test_requests_compare_by_identity():
+    """The scheduler looks requests up in its queues: equal fields must not make two requests one
+    (nor cost a field-by-field comparison per lookup)."""
+    from anna.core.request import Request
+    a, b = (Request("same", [1, 2, 3], SamplingParams()) for _ in range(2))
+    assert a != b and a == a and len({a, b}) == 2
+    assert [a].count(b) == 0

@@ -96,3 +96,37 @@ def test_windowed_and_streamed_requests_share_a_batch(windowed, every_step):
     assert len(seen["streamed"]) == 12 and len(seen["final"]) == 1  # final_only: one output
     ref = run(every_step, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
     assert seen["streamed"][-1] == ref[0][0][0] and seen["final"][0] == ref[1][0][0]
+
+
+def test_windowed_n_equal_prompts_and_preemption_match_every_step(qwen2_dir, cache_dir, every_step):
+    """Two equal prompts, n=2 with seeds and a pool small enough to preempt: blocks that fill while
+    their tokens are still on the device must not be hashed with placeholders (a re-admitted
+    sequence would then find another sequence's KV under the same placeholder hash)."""
+    small = make(qwen2_dir, cache_dir, 8, blocks=16)
+    prompts = [PROMPTS[1], PROMPTS[1], PROMPTS[2], PROMPTS[1]]
+    params = SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=60, ignore_eos=True)
+    got = [[(o.token_ids, o.text) for o in out.outputs] for out in small.generate(prompts, params, use_tqdm=False)]
+    want = [[(o.token_ids, o.text) for o in out.outputs]
+            for out in every_step.generate(prompts, params, use_tqdm=False)]
+    assert small.llm_engine.scheduler.num_preemptions > 0
+    assert got == want
+    kv = small.llm_engine.kv
+    assert kv.num_free_blocks == kv.num_blocks
+    assert not kv.req_hashes and not kv.req_blocks  # nothing kept per request once it is done
+
+
+@pytest.mark.parametrize("max_tokens", [12, 13, 14, 30])  # the last block one short, full, one over, several
+def test_windowed_generated_blocks_are_found_by_the_next_turn(qwen2_dir, cache_dir, every_step, max_tokens):
+    windowed = make(qwen2_dir, cache_dir, 8)
+    engine = windowed.llm_engine
+    prompt = PROMPTS[2]  # 19 tokens: blocks fill in the middle of a sync window
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    first = windowed.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    assert first == every_step.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    conversation = prompt + first  # every token but the last had its KV computed
+    bs = engine.kv.block_size
+    hits_before = engine.kv.prefix_cache_hits
+    second = windowed.generate([conversation + [5, 6, 7]], SamplingParams(temperature=0, max_tokens=2),
+                               use_tqdm=False)[0]
+    assert second.num_cached_tokens == (len(conversation) - 1) // bs * bs
+    assert engine.kv.prefix_cache_hits - hits_before == second.num_cached_tokens

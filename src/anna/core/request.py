@@ -24,7 +24,7 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(eq=False)  # a request is itself: compared and hashed by identity, never field by field
 class Request:
     request_id: str
     prompt_token_ids: list[int]

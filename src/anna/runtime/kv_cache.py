@@ -131,9 +131,17 @@ class KVCacheManager:
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    @staticmethod
+    def _known_tokens(req: Request) -> int:
+        """Tokens whose ids are on the host: sampled tokens still on the device (the sync window's
+        placeholders, always the last ones) must not reach a block's hash."""
+        return req.num_tokens - len(req.pending)
+
     def _hashes(self, req: Request, num_tokens: int) -> list[bytes]:
+        """Hashes of the request's full blocks within its first ``num_tokens`` known tokens."""
         hashes = self.req_hashes.setdefault(req.request_id, [])
         bs = self.block_size
+        num_tokens = min(num_tokens, self._known_tokens(req))
         while (len(hashes) + 1) * bs <= num_tokens:
             i = len(hashes)
             hashes.append(block_hash(hashes[-1] if hashes else None, req.all_token_ids[i * bs:(i + 1) * bs]))
@@ -170,20 +178,30 @@ class KVCacheManager:
         blocks.extend(computed)
         if need > 0:
             blocks.extend(self.pool.allocate(need))
-        if self.enable_prefix_caching and req.register_prefix_blocks:  # tokens known now; KV written this step
-            full = (num_computed + num_new_tokens) // self.block_size
-            done = self.req_registered.get(req.request_id, 0)
-            if full > done:
-                hashes = self._hashes(req, full * self.block_size)
-                for i in range(done, full):
-                    self.pool.register(blocks[i], hashes[i])
-                self.req_registered[req.request_id] = full
+        self._register(req, num_computed + num_new_tokens)  # their KV is written by this step
         return True
+
+    def _register(self, req: Request, num_written: int) -> None:
+        """Offer the request's full blocks within its first ``num_written`` tokens to the prefix
+        cache, as far as their token ids are known (the rest follow once they are read back)."""
+        if not (self.enable_prefix_caching and req.register_prefix_blocks):
+            return
+        full = min(num_written, self._known_tokens(req)) // self.block_size
+        done = self.req_registered.get(req.request_id, 0)
+        if full > done:
+            blocks, hashes = self.req_blocks[req.request_id], self._hashes(req, full * self.block_size)
+            for i in range(done, full):
+                self.pool.register(blocks[i], hashes[i])
+            self.req_registered[req.request_id] = full
 
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(request_id, ())]
 
     def free(self, req: Request) -> None:
+        """Return the request's blocks; first register those whose KV is computed and whose
+        tokens became known after they were allocated (a sync window read back since)."""
+        if req.request_id in self.req_blocks:
+            self._register(req, min(req.num_computed_tokens, len(self.req_blocks[req.request_id]) * self.block_size))
         blocks = self.req_blocks.pop(req.request_id, None)
         if blocks:
             self.pool.release(blocks)

@@ -69,11 +69,10 @@ class Scheduler:
 
     def remove(self, req: Request) -> None:
         """Take a request out of the queues and return its blocks (finish or abort)."""
-        if req in self.running:
-            self.running.remove(req)
-        else:
+        for queue in (self.running, self.waiting):  # (Request compares by identity: one scan each)
             try:
-                self.waiting.remove(req)
+                queue.remove(req)
+                break
             except ValueError:
                 pass
         self.kv.free(req)
@@ -99,7 +98,7 @@ class Scheduler:
         budget = cfg.max_num_batched_tokens
         continuing_prefill = False
         for req in list(self.running):
-            if req not in self.running:  # preempted while making room for an earlier request
+            if req.status is RequestStatus.PREEMPTED:  # preempted while making room for an earlier request
                 continue
             if budget <= 0:
                 break
