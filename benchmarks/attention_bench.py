@@ -21,8 +21,8 @@ import time
 import torch
 
 from anna.model.attention import kv_cache_shape
-from anna.model.cpu_kernels import build_cpu_kernels
-from anna.model.host_memory import huge_page_zeros
+from anna.platforms.cpu.kernels import build_cpu_kernels
+from anna.platforms.cpu.host_memory import huge_page_zeros
 
 
 def make_caches(shape: tuple[int, ...], layers: int, huge_pages: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from anna.model.cpu_kernels import build_cpu_kernels
+from anna.platforms.cpu.kernels import build_cpu_kernels
 from anna.model.linear import interleave_rows, quantized_for_cpu_kernel
 from anna.model.quantization import quantize_int4, quantize_int8
 

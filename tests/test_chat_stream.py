@@ -9,7 +9,8 @@ from types import SimpleNamespace
 
 from anna.core.config import ServeSettings
 from anna.core.outputs import CompletionOutput, RequestOutput
-from anna.server.app import ChoiceParser, ServerState, chat_stream, finish_reason
+from anna.server.common import ChoiceParser, ServerState, finish_reason
+from anna.server.serving_chat import chat_stream
 
 TEXT = ('<think>need weather</think>\n\nChecking.<tool_call>\n{"name": "get_weather", "arguments": '
         '{"city": "Paris"}}\n</tool_call>')

@@ -44,7 +44,7 @@ def test_precedence_for_every_field(f):
 
 def test_several_served_model_names():
     """vLLM's form --served-model-name A B, the comma form, and the environment variable."""
-    from anna.server.app import served_names
+    from anna.server.common import served_names
 
     for argv in (["--served-model-name", "a", "b"], ["--served-model-name", "a,b"]):
         settings = settings_from_args(build_parser().parse_args(["serve", *argv])).resolve(env={})

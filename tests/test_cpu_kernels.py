@@ -5,8 +5,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from anna.model.cpu_kernels import build_cpu_kernels
-from anna.model.linear import KernelPolicy, Linear, gather_interleaved_rows, interleave_rows
+from anna.model.linear import Linear, gather_interleaved_rows, interleave_rows
+from anna.model.ops import LinearRouting
+from anna.platforms.cpu.kernels import build_cpu_kernels
+from anna.platforms.cpu.ops import CpuKernelOps
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +67,7 @@ def test_expert_gemv_equals_one_call_per_expert(kernels, dtype):
     """anna_gemv_experts (several experts' matmuls in one call, as a mixture-of-experts layer runs
     them) gives exactly what one gemv per expert gives: 67 rows (a tail of 3), groups of 1 to 7
     rows (7: the path that converts blocks to fp32 first), an unused expert, experts out of order."""
-    from anna.model.cpu_kernels import WEIGHT_TYPES
+    from anna.platforms.cpu.kernels import WEIGHT_TYPES
 
     torch.manual_seed(2)
     experts = [interleave_rows(torch.randn(67, 64).to(dtype)) for _ in range(4)]
@@ -82,7 +84,7 @@ def test_linear_packs_once_and_serves_every_route(kernels):
     GEMM on the unpacked weight (M above cpu_gemv_max_rows)."""
     torch.manual_seed(1)
     lin = Linear(64, [48, 20], bias=True, dtype=torch.bfloat16,
-                 policy=KernelPolicy(cpu=kernels, cpu_gemv_max_rows=8))
+                 ops=CpuKernelOps(kernels, routing=LinearRouting(gemv_max_rows=8)))
     w = torch.randn(68, 64).to(torch.bfloat16)
     lin.weight.data.copy_(w)
     lin.bias.data.normal_()

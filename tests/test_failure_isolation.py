@@ -158,6 +158,7 @@ def test_an_engine_that_cannot_run_any_more_raises_engine_dead(qwen2_dir, cache_
 
     engine.add_request("r", [5, 6, 7], SamplingParams(max_tokens=4))
     engine.runner.model_forward = always_fails
+    engine.runner.decode_executor = None  # (the fused decode stack would serve the one-token probe)
     with pytest.raises(EngineDeadError, match="device lost"):
         engine.step()
 
@@ -169,6 +170,7 @@ def test_the_async_engine_fails_every_caller_and_reports_when_the_engine_dies(qw
         raise RuntimeError("device lost")
 
     engine.runner.model_forward = gone
+    engine.runner.decode_executor = None
     dead: list[BaseException] = []
     async_engine = AsyncEngine(engine, on_dead=dead.append)
 

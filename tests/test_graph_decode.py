@@ -1,4 +1,4 @@
-"""The graph decode executor's padded steps (runtime/cuda_graphs.py). Capture needs CUDA
+"""The graph decode executor's padded steps (platforms/cuda/graphs.py). Capture needs CUDA
 (tests/test_cuda.py); here the same padded shapes and buffers run eagerly on CPU against the
 eager path: same logits, and padded rows write nowhere but the spare KV block."""
 
@@ -10,7 +10,7 @@ import torch
 from anna import SamplingParams
 from anna.core.request import Request
 from anna.model.attention import read_slots
-from anna.runtime.cuda_graphs import batch_sizes, padded_batch, padded_blocks
+from anna.platforms.cuda.graphs import GraphDecoder, batch_sizes, padded_batch, padded_blocks
 from anna.runtime.engine import LLMEngine
 from anna.runtime.model_runner import ModelRunner
 from conftest import engine_settings
@@ -32,9 +32,11 @@ def test_capture_sizes_and_padding():
 def padded_runner(engine: LLMEngine) -> ModelRunner:
     """A runner beside the engine's, sharing its model and block manager, with graph decode on
     (no capture on CPU) and zeroed caches, so that any write shows."""
-    runner = ModelRunner(engine.runner.model, engine.kv, engine.device, torch.float32, engine.runner.sampler,
-                         graph_decode=True, max_num_seqs=8, max_model_len=engine.max_model_len)
-    assert runner.graphs is not None and not runner.graphs.capture
+    model = engine.runner.model
+    graphs = GraphDecoder(model.forward, block_size=engine.kv.block_size, max_num_seqs=8,
+                          max_model_len=engine.max_model_len, device=engine.device, capture=False)
+    runner = ModelRunner(model, engine.runner.caches, engine.platform, engine.runner.specs, engine.runner.sampler,
+                         decode_executor=graphs)
     assert runner.kv_caches[0][0].shape[0] == engine.kv.num_blocks + 1  # the spare block
     for k_cache, v_cache in runner.kv_caches:
         k_cache.zero_()
@@ -84,7 +86,7 @@ def test_padded_decode_steps_match_eager_and_write_only_the_spare_block(cpu_kern
                 assert int(logits[1][row].argmax()) == token
                 req.append_output_token(token)
                 tokens[req.request_id].append(token)
-        assert padded.graphs.replays == steps
+        assert padded.decode_executor.replays == steps
 
         # every request's KV is the eager runner's; no other block was written but the spare one
         owned = set()
@@ -109,7 +111,7 @@ def test_graph_warm_up_runs_every_block_count_and_writes_only_the_spare_block(hf
     engine = LLMEngine(engine_settings(path, cache_dir, decode_executor="eager", max_num_seqs=8, cpu_kernels=False,
                                        max_model_len=384), show_progress=False)
     runner = padded_runner(engine)
-    graphs = runner.graphs
+    graphs = runner.decode_executor
     assert graphs.max_blocks == 24
     # batch 1 and 3 (padded to 4), each at 1, 2, 4, 8, 16 and 24 blocks
     assert graphs.warm_up([1, 3]) == 12

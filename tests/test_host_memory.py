@@ -7,7 +7,7 @@ import gc
 import torch
 from torch import nn
 
-from anna.model.host_memory import HUGE_PAGE, huge_page_zeros, move_to_huge_pages
+from anna.platforms.cpu.host_memory import HUGE_PAGE, huge_page_zeros, move_to_huge_pages
 from anna.runtime.engine import LLMEngine
 from conftest import COMMON, engine_settings, save_hf_model
 from helpers import assert_logits_close, hf_greedy, hf_logits, run_logits

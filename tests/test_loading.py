@@ -137,7 +137,7 @@ def test_demo_model_is_created_and_runs(tmp_path):
 def test_memory_plan_logs_each_step(qwen2_dir, cache_dir, caplog):
     import logging
 
-    with caplog.at_level(logging.INFO, logger="anna.runtime.engine"):
+    with caplog.at_level(logging.INFO, logger="anna.runtime.builder"):
         engine = LLMEngine(engine_settings(qwen2_dir, cache_dir, kv_cache_memory=0.001, num_gpu_blocks_override=0,
                                            log_level="info", max_model_len=256), show_progress=False)
     plan = next(r.message for r in caplog.records if r.message.startswith("Memory plan:"))
@@ -146,5 +146,7 @@ def test_memory_plan_logs_each_step(qwen2_dir, cache_dir, caplog):
     assert "profile run: skipped on cpu" in plan and "graphs/compile workspace: 0 MiB" in plan
     blocks = int(0.001 * 2**30) // (16 * 2 * 2 * 2 * 16 * 4)  # tokens x K,V x layers x kv heads x head_dim x fp32
     assert engine.kv.num_blocks == blocks
-    assert f"KV cache: {blocks} blocks x 16 tokens = {blocks * 16} tokens" in plan
+    per_token = 2 * 2 * 2 * 16 * 4
+    assert f"paged attention KV: {per_token} bytes per token; {blocks} blocks x 16 tokens = {blocks * 16} tokens" in plan
+    assert "per-sequence state" not in plan  # no layer of this model keeps one
     assert f"max concurrency at max_model_len=256: {blocks * 16 / 256:.2f}" in plan

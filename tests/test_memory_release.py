@@ -72,7 +72,7 @@ def test_release_never_touches_blocks_in_use_and_outputs_are_identical(qwen2_dir
     engine.add_request("r", prompt, params)
     for _ in range(5):
         engine.step()
-    req = engine._seqs["r"][1].req
+    req = engine.outputs.seqs["r"][1].req
     in_use = {b.block_id // engine.memory.chunk_blocks for b in engine.kv.req_blocks["r"]}
     freed = engine.memory.release("test")
     assert freed["kv_chunks"] > 0

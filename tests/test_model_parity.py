@@ -19,7 +19,7 @@ def engines(request, hf_models, cache_dir):
     """Every test runs with Anna's CPU kernels and with torch's alone."""
     engines = {name: LLMEngine(engine_settings(path, cache_dir, cpu_kernels=request.param), show_progress=False)
                for name, (_, path) in hf_models.items()}
-    assert all((e.runner.model.lm_head.policy.cpu is not None) == request.param for e in engines.values())
+    assert all((e.runner.model.lm_head.ops.kernels is not None) == request.param for e in engines.values())
     return engines
 
 

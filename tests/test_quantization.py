@@ -8,8 +8,10 @@ import shutil
 import pytest
 import torch
 
-from anna.model.cpu_kernels import build_cpu_kernels
-from anna.model.linear import KernelPolicy, QuantLinear
+from anna.model.linear import QuantLinear
+from anna.model.ops import LinearRouting, QuantFormat
+from anna.platforms.cpu.kernels import build_cpu_kernels
+from anna.platforms.cpu.ops import CpuKernelOps
 from anna.model.quantization import (dequantize_int4, dequantize_int8, pack_int4, quantize_int4, quantize_int8,
                                      unpack_int4)
 from anna.runtime.engine import LLMEngine
@@ -51,9 +53,8 @@ def test_int8_quantization_error_is_bounded():
 def make_layer(kind: str, group: int, kernels, strategy: str, out_features=(70, 37), k=256) -> QuantLinear:
     """A loaded layer, still row-major. 107 rows: for int8, 26 blocks of 4 and 3 tail rows; for
     int4, 6 pairs of blocks of 8, one odd block and 3 tail rows: every path of the kernels."""
-    policy = KernelPolicy(cpu=kernels, quantization=kind, int4_group_size=group, int4_matmul=strategy,
-                          int4_gemv_m_threshold=4)
-    layer = QuantLinear(k, list(out_features), bias=True, dtype=torch.float32, policy=policy)
+    ops = CpuKernelOps(kernels, QuantFormat(kind, group), LinearRouting(int4_matmul=strategy, int4_gemv_m_threshold=4))
+    layer = QuantLinear(k, list(out_features), bias=True, dtype=torch.float32, ops=ops)
     g = torch.Generator().manual_seed(1)
     for shard, n in enumerate(out_features):
         layer.load("weight", shard, torch.randn(n, k, generator=g) * 0.1, "w", "test")
@@ -118,8 +119,8 @@ def test_int4_kernel_is_exact_at_the_largest_sums(signs, kernels):
     k = 64
     lane_a = (torch.arange(k) % 4) < 2  # positions 0, 1 (mod 4): the first int16 sum of a row
     w_row = torch.where(lane_a, 7.0 * wa, 7.0 * wb)
-    policy = KernelPolicy(cpu=kernels, quantization="int4", int4_group_size=32, int4_matmul="packed")
-    layer = QuantLinear(k, [19], bias=False, dtype=torch.float32, policy=policy)
+    ops = CpuKernelOps(kernels, QuantFormat("int4", 32), LinearRouting(int4_matmul="packed"))
+    layer = QuantLinear(k, [19], bias=False, dtype=torch.float32, ops=ops)
     layer.load("weight", 0, w_row.expand(19, k).clone(), "w", "test")
     ref_w = dequantize_int4(layer.qweight, layer.scales, 32).double()
     assert torch.equal(ref_w, w_row.double().expand(19, k))  # the weights are exactly +-7
@@ -159,8 +160,8 @@ def test_expert_kernel_equals_one_call_per_expert(kind, group, kernels):
     experts out of order."""
     layers = []
     for seed in range(4):
-        policy = KernelPolicy(cpu=kernels, quantization=kind, int4_group_size=group or 32, int4_matmul="packed")
-        layer = QuantLinear(256, 107, bias=False, dtype=torch.float32, policy=policy)
+        ops = CpuKernelOps(kernels, QuantFormat(kind, group or 32), LinearRouting(int4_matmul="packed"))
+        layer = QuantLinear(256, 107, bias=False, dtype=torch.float32, ops=ops)
         layer.load("weight", 0, torch.randn(107, 256, generator=torch.Generator().manual_seed(seed)) * 0.1, "w", "t")
         layer.interleave_for_cpu_kernel()
         layers.append(layer)
@@ -178,7 +179,7 @@ def test_auto_routes_by_m(kernels):
     layer = make_layer("int4", 32, kernels, "auto")
     layer.interleave_for_cpu_kernel()
     assert layer.uses_packed_kernel(4) and not layer.uses_packed_kernel(5)
-    layer.policy.int4_gemv_m_threshold = 0
+    layer.ops = CpuKernelOps(kernels, layer.ops.quant, LinearRouting(int4_gemv_m_threshold=0))
     assert not layer.uses_packed_kernel(1)  # 0 means always dequant
 
 

@@ -279,7 +279,7 @@ def test_bad_words_are_never_generated(llm):
     two = next(tok.decode(free[i:i + 2]) for i in range(len(free) - 1)
                if len(tok.encode(tok.decode(free[i:i + 2]), add_special_tokens=False)) == 2
                and tok.encode(tok.decode(free[i:i + 2]), add_special_tokens=False) == free[i:i + 2])
-    banned = engine._bad_word_ids([one, two])
+    banned = engine.inputs.bad_word_ids([one, two])
     assert any(contains(free, seq) for seq in banned)  # the free run does produce them
     out = gen(llm, [PROMPT], SamplingParams(bad_words=[one, two], **params))[0].outputs[0].token_ids
     assert len(out) == 24 and not any(contains(out, seq) for seq in banned)

@@ -192,7 +192,7 @@ def test_abort_in_every_phase_frees_every_block(qwen2_dir, cache_dir, phase):
         drain_until = {"mid_prefill": lambda r: 0 < r.num_computed_tokens < r.num_prompt_tokens,
                        "mid_decode": lambda r: r.num_output_tokens >= 2,
                        "finished": lambda r: r.is_finished}[phase]
-        victim = engine._seqs["victim"][1].req
+        victim = engine.outputs.seqs["victim"][1].req
         for _ in range(100):
             engine.step()
             if drain_until(victim):

@@ -67,8 +67,8 @@ def test_requests_that_need_each_token_are_not_windowed(windowed):
     engine = windowed.llm_engine
     for params in (SamplingParams(stop=["x"]), SamplingParams(logprobs=2), SamplingParams(repetition_penalty=1.2),
                    SamplingParams(presence_penalty=0.5), SamplingParams(output_kind="cumulative")):
-        assert engine._sync_window(params) == 1
-    assert engine._sync_window(SamplingParams(output_kind="final_only", logit_bias={5: 1.0})) == 8
+        assert engine.inputs.sync_window(params) == 1
+    assert engine.inputs.sync_window(SamplingParams(output_kind="final_only", logit_bias={5: 1.0})) == 8
 
 
 def test_pending_tokens_survive_preemption(qwen2_dir, cache_dir, every_step):

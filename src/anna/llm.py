@@ -8,7 +8,7 @@ from typing import Any, Sequence
 
 from tqdm import tqdm
 
-from anna.core.config import IGNORED_VLLM_ARGS, RENAMED_VLLM_ARGS, ServeSettings, check_tensor_parallel_size
+from anna.core.config import ALIASES, IGNORED_VLLM_ARGS, RENAMED_VLLM_ARGS, ServeSettings, check_tensor_parallel_size
 from anna.core.outputs import RequestOutput
 from anna.core.sampling_params import SamplingParams
 from anna.runtime.engine import LLMEngine
@@ -25,7 +25,7 @@ class LLM:
         names = {f.name for f in dataclasses.fields(ServeSettings)}
         values: dict[str, Any] = {"model": model}
         for key, value in kwargs.items():
-            key = RENAMED_VLLM_ARGS.get(key, key)
+            key = RENAMED_VLLM_ARGS.get(key, ALIASES.get(key, key))
             if key == "tensor_parallel_size":
                 check_tensor_parallel_size(value)
             elif key in IGNORED_VLLM_ARGS:

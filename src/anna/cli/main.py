@@ -8,8 +8,8 @@ import dataclasses
 import logging
 import sys
 
-from anna.core.config import (IGNORED_VLLM_ARGS, PROFILE, RENAMED_VLLM_ARGS, ServeSettings, check_tensor_parallel_size,
-                              env_name, field_type, settings_fields)
+from anna.core.config import (IGNORED_VLLM_ARGS, PROFILE, RENAMED_VLLM_ARGS, ServeSettings, alias_names,
+                              check_tensor_parallel_size, env_name, field_type, settings_fields)
 
 
 def add_settings_flags(parser: argparse.ArgumentParser, skip: set[str] = frozenset()) -> None:
@@ -19,9 +19,10 @@ def add_settings_flags(parser: argparse.ArgumentParser, skip: set[str] = frozens
             continue
         default = f.metadata["default"]
         shown = "from --scheduler-profile" if default is PROFILE else repr(default)
-        help_text = f"{f.metadata['help']} [default: {shown}; env: {env_name(f)}]"
+        aliases = "".join(f", also --{a.replace('_', '-')} / ANNA_{a.upper()}" for a in alias_names(f))
+        help_text = f"{f.metadata['help']} [default: {shown}; env: {env_name(f)}{aliases}]"
         flags = ["--" + name.replace("_", "-") for name in
-                 [f.name] + [old for old, new in RENAMED_VLLM_ARGS.items() if new == f.name]]
+                 [f.name] + [old for old, new in RENAMED_VLLM_ARGS.items() if new == f.name] + list(alias_names(f))]
         typ = field_type(f)
         if typ is bool:
             group.add_argument(*flags, dest=f.name, action=argparse.BooleanOptionalAction, default=None,

@@ -51,11 +51,15 @@ def check_tensor_parallel_size(value: Any) -> None:
 
 
 def _setting(default: Any, help: str, *, choices: tuple | None = None, env: str | None = None,
-             cli: bool = True, minimum: float = 0, maximum: float | None = None, several: bool = False) -> Any:
+             cli: bool = True, minimum: float = 0, maximum: float | None = None, several: bool = False,
+             aliases: tuple[str, ...] = ()) -> Any:
     """A ServeSettings field: unset (None) until resolved; ``default`` is the built-in value.
-    ``several``: a comma-separated list, whose flag also takes the values one after another."""
+    ``several``: a comma-separated list, whose flag also takes the values one after another.
+    ``aliases``: other names of the same setting (each a flag, an ANNA_* variable and an LLM
+    keyword), as the founding manual spells them."""
     return field(default=None, metadata={"default": default, "help": help, "choices": choices, "env": env,
-                                         "cli": cli, "minimum": minimum, "maximum": maximum, "several": several})
+                                         "cli": cli, "minimum": minimum, "maximum": maximum, "several": several,
+                                         "aliases": aliases})
 
 
 PROFILE = object()  # marker: the built-in default comes from the scheduler profile
@@ -94,13 +98,16 @@ class ServeSettings:
     int4_group_size: int | None = _setting(32, "int4: input columns that share one scale.", choices=(32, 64, 128))
     int4_matmul: str | None = _setting(
         "auto", "int4 execution: packed (kernel reads int4), dequant (unpack + dense GEMM), auto (by M).",
-        choices=("auto", "packed", "dequant"))
+        choices=("auto", "packed", "dequant"), aliases=("xpu_int4_matmul",))
     int4_gemv_m_threshold: int | None = _setting(
-        2048, "int4 auto routing: matmuls with M <= this use the packed kernel, larger ones dequant; 0 = always dequant.")
+        2048, "int4 auto routing: matmuls with M <= this use the packed kernel, larger ones dequant; 0 = always dequant.",
+        aliases=("xpu_int4_gemv_m_threshold",))
     int4_cache_dir: str | None = _setting(
         "", "Where the int4 layout cache lives; empty = {model}/.anna/int4_cache (user cache dir if read-only).")
-    int4_cache_load_workers: int | None = _setting(8, "Threads that read (and verify) the int4 layout cache.")
-    disable_int4_cache: bool | None = _setting(False, "Never read or write the int4 layout cache.")
+    int4_cache_load_workers: int | None = _setting(8, "Threads that read (and verify) the int4 layout cache.",
+                                                   aliases=("xpu_int4_cache_load_workers",))
+    disable_int4_cache: bool | None = _setting(False, "Never read or write the int4 layout cache.",
+                                               aliases=("xpu_disable_int4_cache",))
     cpu_kernels: bool | None = _setting(
         True, "Use Anna's compiled CPU matmul kernels for decode-sized matmuls (built with the C compiler).")
     cpu_kernel_compiler: str | None = _setting(
@@ -226,6 +233,52 @@ class ServeSettings:
         return resolve_settings(self, os.environ if env is None else env, explicit_source)
 
 
+# Which component takes which settings: each is handed its section whole (ResolvedSettings.sections).
+SECTION_FIELDS: dict[str, tuple[str, ...]] = {
+    "model": ("model", "served_model_name", "tokenizer", "chat_template", "dtype", "seed", "generation_config",
+              "cache_dir", "max_model_len", "weight_load_pipeline_workers", "quantization", "int4_group_size",
+              "int4_cache_dir", "int4_cache_load_workers", "disable_int4_cache", "structured_output_cache_size",
+              "structured_output_max_bytes"),
+    "cache": ("block_size", "kv_cache_memory", "num_gpu_blocks_override", "enable_prefix_caching",
+              "memory_utilization", "min_free_memory_mib", "memory_release_sweep_interval_s",
+              "memory_release_min_free_mib", "memory_release_max_gap_mib", "kv_release_chunk_blocks",
+              "prompt_cache_size", "prompt_cache_max_tokens"),
+    "scheduler": ("max_num_seqs", "max_num_batched_tokens", "scheduler_profile", "prefill_interval_steps",
+                  "scheduler_event_driven_prefill_insert", "skip_batch_wait_when_idle", "batch_wait_ms",
+                  "long_prefill_token_threshold", "scheduler_token_sync_every_steps"),
+    "execution": ("device", "compile_mode", "compile_fullgraph", "decode_executor", "torchinductor_cache_dir",
+                  "profile_runtime", "inference_warmup", "warmup_prefill_tokens", "warmup_batch_size",
+                  "warmup_decode_steps"),
+    "cpu": ("cpu_kernels", "cpu_kernel_compiler", "cpu_gemv_max_rows", "cpu_upcast_min_rows", "cpu_huge_pages",
+            "int4_matmul", "int4_gemv_m_threshold"),
+    "server": ("host", "port", "api_key", "allowed_origins", "max_n", "max_request_bytes", "header_read_timeout",
+               "body_read_timeout", "shutdown_timeout", "prompt_workers", "tokenize_workers", "text_queue_limit",
+               "tool_call_parser", "reasoning_parser", "log_level", "log_stats_interval"),
+}
+
+
+def _section_class(name: str) -> type:
+    hints = typing.get_type_hints(ServeSettings)
+    return dataclasses.make_dataclass(
+        f"{name.capitalize()}Settings", [(f, hints[f]) for f in SECTION_FIELDS[name]], frozen=True,
+        namespace={"__doc__": f"The resolved {name} settings (core/config.py, SECTION_FIELDS)."})
+
+
+SECTION_CLASSES: dict[str, type] = {name: _section_class(name) for name in SECTION_FIELDS}
+
+
+@dataclass(frozen=True)
+class SettingsSections:
+    """The resolved settings, grouped by the component that takes them."""
+
+    model: Any
+    cache: Any
+    scheduler: Any
+    execution: Any
+    cpu: Any
+    server: Any
+
+
 @dataclass(frozen=True)
 class ResolvedSettings:
     """ServeSettings with every field filled, and where each value came from."""
@@ -235,6 +288,11 @@ class ResolvedSettings:
 
     def __getattr__(self, name: str) -> Any:  # settings.max_num_seqs reads through to the values
         return getattr(object.__getattribute__(self, "values"), name)
+
+    @property
+    def sections(self) -> SettingsSections:
+        return SettingsSections(**{name: cls(**{f: getattr(self.values, f) for f in SECTION_FIELDS[name]})
+                                   for name, cls in SECTION_CLASSES.items()})
 
     def table(self) -> str:
         """One line per setting: name, value, source. Logged at start."""
@@ -248,6 +306,13 @@ class ResolvedSettings:
 
 def env_name(f: dataclasses.Field) -> str:
     return f.metadata.get("env") or ENV_PREFIX + f.name.upper()
+
+
+def alias_names(f: dataclasses.Field) -> tuple[str, ...]:
+    return f.metadata.get("aliases", ())
+
+
+ALIASES: dict[str, str] = {alias: f.name for f in dataclasses.fields(ServeSettings) for alias in alias_names(f)}
 
 
 def field_type(f: dataclasses.Field) -> type:
@@ -309,6 +374,9 @@ def resolve_settings(settings: ServeSettings, env: Mapping[str, str], explicit_s
             values[f.name], sources[f.name] = parse_value(f, explicit, "explicit value"), explicit_source
         elif env.get(env_name(f), "") != "":
             values[f.name], sources[f.name] = parse_value(f, env[env_name(f)], env_name(f)), "env"
+        elif any(env.get(ENV_PREFIX + a.upper(), "") != "" for a in alias_names(f)):
+            var = next(ENV_PREFIX + a.upper() for a in alias_names(f) if env.get(ENV_PREFIX + a.upper(), "") != "")
+            values[f.name], sources[f.name] = parse_value(f, env[var], var), f"env {var}"
         elif f.metadata["default"] is PROFILE:
             deferred.append(f)
         else:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from anna.model.cpu_kernels import CpuKernels
+from anna.model.ops import ModelOps
 
 
 @dataclass
@@ -37,6 +37,7 @@ class AttentionMetadata:
     decode_mask: torch.Tensor | None  # [num_decodes, padded context] bool, True = masked out
     prefills: list[PrefillChunk]
     block_size: int
+    state_slots: torch.Tensor | None = None  # [num_seqs] long, model order: each sequence's state slot (StateSpec layers)
 
 
 def build_metadata(slot_mapping: torch.Tensor, starts: list[int], lens: list[int], tables: torch.Tensor,
@@ -109,20 +110,15 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, sliding_window: int | None,
-                    cpu: CpuKernels | None = None) -> torch.Tensor:
+                    ops: ModelOps) -> torch.Tensor:
     """q: [T, H, D]; k, v: [T, KV, D] for the new tokens. Writes k/v to the cache, returns [T, H, D].
-    (The sliding window is already in the masks; ``sliding_window`` is for the CPU kernel.)"""
+    (The sliding window is already in the masks; ``sliding_window`` is for Anna's CPU kernel.)"""
     write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-    # Half-precision batched matmuls are slow on CPUs without native support: compute in fp32 there.
-    compute_dtype = torch.float32 if q.device.type == "cpu" else q.dtype
+    compute_dtype = ops.attention_dtype or q.dtype
     out = torch.empty_like(q)
     nd = meta.num_decode_tokens
-    if nd and cpu is not None and q.dtype == torch.float32 and k_cache.dtype == torch.float32 \
-            and q.device.type == "cpu":
-        out[:nd] = cpu.decode_attention(q[:nd].contiguous(), k_cache, v_cache, meta.decode_block_tables.contiguous(),
-                                        meta.decode_context_lens, sliding_window, scale)
-    elif nd:
-        out[:nd] = _decode_attention(q[:nd], k_cache, v_cache, meta, scale, compute_dtype)
+    if nd:
+        out[:nd] = ops.decode_attention(q[:nd], k_cache, v_cache, meta, scale, sliding_window)
     for chunk in meta.prefills:
         sl = slice(chunk.query_start, chunk.query_start + chunk.query_len)
         out[sl] = _prefill_attention(q[sl], k[sl], v[sl], k_cache, v_cache, chunk, meta.block_size, scale,
@@ -130,8 +126,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     return out
 
 
-def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                      scale: float, dtype: torch.dtype) -> torch.Tensor:
+def torch_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                           scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """Decode attention in torch: one batched gather of every sequence's blocks, masked."""
     nd, num_heads, head_dim = q.shape
     num_kv = k_cache.shape[1]
     tables = meta.decode_block_tables

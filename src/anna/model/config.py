@@ -109,7 +109,7 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         raise ModelLoadError(
             f"{path}: unsupported architectures {archs or '(none given)'}; "
             f"Anna supports {', '.join(sorted(ARCHITECTURES))}")
-    family = ARCHITECTURES[arch]
+    family = ARCHITECTURES[arch].family
 
     def need(key: str) -> Any:
         if key not in cfg:

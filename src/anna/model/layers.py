@@ -7,40 +7,23 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from anna.model.linear import DEFAULT_POLICY, KernelPolicy, make_linear, profiled
+from anna.model.linear import make_linear
+from anna.model.ops import TORCH_OPS, ModelOps
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, dtype: torch.dtype, policy: KernelPolicy = DEFAULT_POLICY) -> None:
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype, ops: ModelOps = TORCH_OPS) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype), requires_grad=False)
         self.eps = eps
-        self.policy = policy
+        self.ops = ops
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """norm(x); with a residual stream: residual += x, return (norm(residual), residual)."""
-        with profiled(self.policy, "rmsnorm"):
-            return self._forward(x, residual)
-
-    def _forward(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        cpu = self.policy.cpu
-        if cpu is not None and x.dtype == torch.float32 and x.is_contiguous() and x.device.type == "cpu":
-            if residual is None:
-                return cpu.add_rmsnorm(x, None, self.weight, self.eps)
-            return cpu.add_rmsnorm(residual, x, self.weight, self.eps), residual
-        if residual is None:
-            return self._norm(x)
-        residual = residual + x
-        return self._norm(residual), residual
-
-    def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return self.ops.add_rmsnorm(x, residual, self.weight, self.eps)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
@@ -91,27 +74,17 @@ class RopeBatch:
     sin: torch.Tensor
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-
-
 class GatedMLP(nn.Module):
     """down(act(gate(x)) * up(x)), with gate and up fused into one matmul."""
 
     def __init__(self, hidden: int, intermediate: int, bias: bool, act: str, dtype: torch.dtype,
-                 policy: KernelPolicy = DEFAULT_POLICY) -> None:
+                 ops: ModelOps = TORCH_OPS) -> None:
         super().__init__()
         if act not in ("silu", "swish"):
             raise ValueError(f"hidden_act '{act}' is not supported (supported: silu)")
-        self.gate_up_proj = make_linear(hidden, [intermediate, intermediate], bias=bias, dtype=dtype, policy=policy)
-        self.down_proj = make_linear(intermediate, hidden, bias=bias, dtype=dtype, policy=policy)
-        self.policy = policy
+        self.gate_up_proj = make_linear(hidden, [intermediate, intermediate], bias=bias, dtype=dtype, ops=ops)
+        self.down_proj = make_linear(intermediate, hidden, bias=bias, dtype=dtype, ops=ops)
+        self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        cpu = self.policy.cpu
-        if cpu is not None and gate_up.device.type == "cpu" and gate_up.dtype == torch.float32:
-            return self.down_proj(cpu.silu_mul(gate_up))  # the fused decode stack's kernel
-        gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.ops.silu_mul(self.gate_up_proj(x)))

@@ -1,4 +1,5 @@
-"""Linear layers and how their matmuls are executed, routed by M (rows of x).
+"""Linear layers and the weight layouts Anna's CPU kernels read. Which kernel runs a matmul is
+the ops' choice (model/ops.py; on CPU platforms/cpu/ops.py), routed by M (rows of x).
 
 On CPU, decode-sized matmuls (M <= ``cpu_gemv_max_rows``) go to Anna's weight-streaming kernel,
 which reads each weight row once for all rows of x. Larger half-precision matmuls are upcast to
@@ -15,38 +16,11 @@ instruction without horizontal sums.
 
 from __future__ import annotations
 
-from contextlib import nullcontext
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, ContextManager
-
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from anna.model.cpu_kernels import CpuKernels
-if TYPE_CHECKING:
-    from anna.runtime.profiler import RuntimeProfiler
-from anna.model.quantization import (INT4_BLOCK, dequantize_int4, dequantize_int8, quantize_int4,
-                                     quantize_int8, unpack_int4)
-
-
-@dataclass
-class KernelPolicy:
-    """Which kernels the layers use; one object shared by the whole model."""
-
-    cpu: CpuKernels | None = None  # Anna's CPU kernels, when they could be built
-    cpu_gemv_max_rows: int = 128
-    cpu_upcast_min_rows: int = 8  # without Anna's kernels: half-precision matmuls from this M on run in fp32
-    quantization: str = "none"  # none | int8 | int4
-    int4_group_size: int = 32
-    int4_matmul: str = "auto"  # auto | packed | dequant
-    int4_gemv_m_threshold: int = 2048  # auto: packed kernel for M <= this, dequant + dense GEMM above
-    profiler: "RuntimeProfiler | None" = None  # --profile-runtime
-    fused_decode: bool = True  # decode-only CPU steps run the whole decoder stack in one C call
-
-    def serves_with_cpu_kernels(self, device: torch.device) -> bool:
-        """Whether weights on ``device`` are stored in the CPU kernels' layouts (and cached so)."""
-        return self.cpu is not None and device.type == "cpu"
+from anna.model.ops import TORCH_OPS, ModelOps
+from anna.model.quantization import INT4_BLOCK, quantize_int4, quantize_int8, unpack_int4
 
 
 PACK_ROWS, PACK_COLS = 4, 8  # cpu_kernels.c's block: 4 rows, columns in chunks of 8 values
@@ -111,27 +85,19 @@ def gather_interleaved_rows(packed: torch.Tensor, rows: torch.Tensor) -> torch.T
     return out.view(*rows.shape, k)
 
 
-def profiled(policy: KernelPolicy, name: str) -> ContextManager:
-    """A --profile-runtime region, or nothing."""
-    return nullcontext() if policy.profiler is None else policy.profiler.region(name)
-
-
-DEFAULT_POLICY = KernelPolicy()
-
-
 class Linear(nn.Module):
     """y = x W^T + b, where W may stack several checkpoint tensors along the output dim
     (q/k/v, gate/up) so that one matmul serves them all."""
 
     def __init__(self, in_features: int, out_features: int | list[int], *, bias: bool, dtype: torch.dtype,
-                 policy: KernelPolicy = DEFAULT_POLICY) -> None:
+                 ops: ModelOps = TORCH_OPS) -> None:
         super().__init__()
         self.shard_sizes = list(out_features) if isinstance(out_features, list) else [out_features]
         self.in_features = in_features
         self.out_features = sum(self.shard_sizes)
         self.weight = nn.Parameter(torch.empty(self.out_features, in_features, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(self.out_features, dtype=dtype), requires_grad=False) if bias else None
-        self.policy = policy
+        self.ops = ops
         self.profile_name: str | None = None  # region name under --profile-runtime (default: the route)
         self.interleaved = False  # weight in interleave_rows' layout, for Anna's CPU kernel
 
@@ -150,7 +116,7 @@ class Linear(nn.Module):
         """Store the weight in the layout Anna's CPU kernel reads (once, after loading; ``converted``:
         it already is, read back from a cache of the loaded state). A tied embedding shares this
         tensor: it reads its rows with ``weight_rows``."""
-        if self.interleaved or self.policy.cpu is None or not self.policy.cpu.supports_weight(self.weight):
+        if self.interleaved or not self.ops.keeps_kernel_layout(self.weight):
             return
         if not converted:
             self.weight.data = interleave_rows(self.weight.data)
@@ -158,34 +124,14 @@ class Linear(nn.Module):
 
     def uses_gemv_kernel(self, rows: int) -> bool:
         """Whether a CPU matmul of this many rows of x runs Anna's weight-streaming kernel."""
-        return self.interleaved and rows <= self.policy.cpu_gemv_max_rows
+        return self.ops.streams_weight(self, rows)
 
     def weight_rows(self, rows: torch.Tensor) -> torch.Tensor:
         """Rows of the weight, row-major, whatever its layout (embedding lookups of a tied lm_head)."""
         return gather_interleaved_rows(self.weight, rows) if self.interleaved else self.weight[rows]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w, policy = self.weight, self.policy
-        if x.device.type != "cpu":
-            with profiled(policy, self.profile_name or "matmul:torch"):
-                return F.linear(x, w, self.bias)
-        rows = x.numel() // x.shape[-1]
-        if self.uses_gemv_kernel(rows):
-            with profiled(policy, self.profile_name or "matmul:anna_gemv"):
-                return policy.cpu.gemv(x, w, self.bias).to(x.dtype)
-        if self.interleaved:  # a large M: torch's GEMM on the row-major weight, upcast to fp32 on the way
-            with profiled(policy, self.profile_name or "matmul:torch_fp32_upcast"):
-                bias = None if self.bias is None else self.bias.float()
-                return F.linear(x.float(), policy.cpu.deinterleave(w), bias).to(x.dtype)
-        if w.dtype == x.dtype:
-            with profiled(policy, self.profile_name or "matmul:torch"):
-                return F.linear(x, w, self.bias)
-        if policy.cpu is not None or 0 < policy.cpu_upcast_min_rows <= rows:
-            with profiled(policy, self.profile_name or "matmul:torch_fp32_upcast"):
-                bias = None if self.bias is None else self.bias.float()
-                return F.linear(x.float(), w.float(), bias).to(x.dtype)
-        with profiled(policy, self.profile_name or "matmul:torch_half"):  # small M without Anna's kernel
-            return F.linear(x.to(w.dtype), w, self.bias).to(x.dtype)
+        return self.ops.linear(self, x)
 
 
 def check_shape(name: str, where: str, expected: tuple, got: tuple) -> None:
@@ -200,17 +146,17 @@ class QuantLinear(nn.Module):
     Execution on CPU with Anna's kernels: the packed kernel reads int8/int4 directly (for int4,
     when M <= ``int4_gemv_m_threshold`` under ``int4_matmul=auto``); otherwise the weight is
     dequantized to fp32 and a dense GEMM runs. Without Anna's kernels, or on other devices,
-    always the dequantized path.
+    always the dequantized path (the ops decide: model/ops.py, platforms/cpu/ops.py).
     """
 
     def __init__(self, in_features: int, out_features: int | list[int], *, bias: bool, dtype: torch.dtype,
-                 policy: KernelPolicy) -> None:
+                 ops: ModelOps) -> None:
         super().__init__()
         self.shard_sizes = list(out_features) if isinstance(out_features, list) else [out_features]
         self.in_features = in_features
         self.out_features = n = sum(self.shard_sizes)
-        self.kind = 0 if policy.quantization == "int8" else 1
-        self.group = policy.int4_group_size if self.kind == 1 else 0
+        self.kind = 0 if ops.quant.method == "int8" else 1
+        self.group = ops.quant.int4_group_size if self.kind == 1 else 0
         if self.kind == 1 and in_features % self.group:
             raise ValueError(f"int4_group_size: {self.group} does not divide the input size {in_features}")
         if in_features % INT4_BLOCK:
@@ -222,7 +168,7 @@ class QuantLinear(nn.Module):
             self.register_buffer("qweight", torch.zeros(n, in_features // 2, dtype=torch.uint8))
             self.register_buffer("scales", torch.zeros(n, in_features // self.group, dtype=torch.float16))
         self.bias = nn.Parameter(torch.zeros(n, dtype=dtype), requires_grad=False) if bias else None
-        self.policy = policy
+        self.ops = ops
         self.profile_name: str | None = None
         self.interleaved = False  # qweight/scales in quantized_for_cpu_kernel's layout
 
@@ -231,7 +177,7 @@ class QuantLinear(nn.Module):
     def interleave_for_cpu_kernel(self, converted: bool = False) -> None:
         """Store values and scales in the layout quant_kernels.c reads (once, after loading;
         ``converted``: they already are, as saved in the int4 layout cache)."""
-        if self.interleaved or not self.policy.serves_with_cpu_kernels(self.qweight.device):
+        if self.interleaved or self.ops.kernels is None:
             return
         if not converted:
             self.qweight.data, self.scales.data = quantized_for_cpu_kernel(self.kind, self.qweight.data,
@@ -255,34 +201,16 @@ class QuantLinear(nn.Module):
     def dequantized(self, rows: torch.Tensor | None = None) -> torch.Tensor:
         """fp32 row-major weights (of the given rows): the dense fallback, and embedding lookups.
         With Anna's kernels, all rows land in a buffer reused by the next matmul's conversion."""
-        if self.interleaved:
-            return self.policy.cpu.dequant(self.qweight, self.scales, self.kind, self.group, self.in_features, rows)
-        q = self.qweight if rows is None else self.qweight[rows]
-        s = self.scales if rows is None else self.scales[rows]
-        return dequantize_int8(q, s) if self.kind == 0 else dequantize_int4(q, s, self.group)
+        return self.ops.dequantize(self, rows)
 
     def uses_packed_kernel(self, rows: int) -> bool:
-        p = self.policy
-        if not self.interleaved:
-            return False
-        if self.kind == 0:
-            return rows <= p.cpu_gemv_max_rows
-        return p.int4_matmul == "packed" or (p.int4_matmul == "auto" and rows <= p.int4_gemv_m_threshold)
+        return self.ops.reads_packed(self, rows)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // x.shape[-1]
-        fmt = "int8" if self.kind == 0 else "int4"
-        if self.uses_packed_kernel(rows):
-            with profiled(self.policy, self.profile_name or f"matmul:{fmt}_packed"):
-                return self.policy.cpu.qgemm(x, self.qweight, self.scales, self.kind, self.group,
-                                             self.bias).to(x.dtype)
-        with profiled(self.policy, "dequantize"):
-            w = self.dequantized().to(x.dtype)
-        with profiled(self.policy, self.profile_name or f"matmul:{fmt}_dequant_gemm"):
-            return F.linear(x, w, None if self.bias is None else self.bias.to(x.dtype))
+        return self.ops.quant_linear(self, x)
 
 
 def make_linear(in_features: int, out_features: int | list[int], *, bias: bool, dtype: torch.dtype,
-                policy: KernelPolicy = DEFAULT_POLICY) -> Linear | QuantLinear:
-    cls = QuantLinear if policy.quantization != "none" else Linear
-    return cls(in_features, out_features, bias=bias, dtype=dtype, policy=policy)
+                ops: ModelOps = TORCH_OPS) -> Linear | QuantLinear:
+    cls = QuantLinear if ops.quant.method != "none" else Linear
+    return cls(in_features, out_features, bias=bias, dtype=dtype, ops=ops)

@@ -1,8 +1,13 @@
-"""Which Hugging Face architectures Anna runs, and what distinguishes each one."""
+"""Which Hugging Face architectures Anna runs: architecture -> the model class that runs it and
+the family flags that distinguish it. One file per family under model/ (llama.py: Llama,
+Mistral, Qwen2, Qwen3 and their mixture-of-experts variants); adding an architecture is a model
+file and an entry here. Classes are imported when asked for, so reading a config does not
+import every model."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import importlib
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -15,14 +20,28 @@ class Family:
     checkpoint_names: tuple[tuple[str, str], ...] = ()
 
 
-ARCHITECTURES: dict[str, Family] = {
-    "LlamaForCausalLM": Family(),
-    "MistralForCausalLM": Family(sliding_window_key="sliding_window"),
-    "Qwen2ForCausalLM": Family(qkv_bias=True),
-    "Qwen3ForCausalLM": Family(qk_norm=True),
-    "MixtralForCausalLM": Family(sliding_window_key="sliding_window", moe=True,
-                                 checkpoint_names=((".mlp.", ".block_sparse_moe."), (".gate_proj.", ".w1."),
-                                                   (".up_proj.", ".w3."), (".down_proj.", ".w2."))),
-    "Qwen2MoeForCausalLM": Family(qkv_bias=True, moe=True),
-    "Qwen3MoeForCausalLM": Family(qk_norm=True, moe=True),
+@dataclass(frozen=True)
+class Architecture:
+    module: str  # under anna.model
+    class_name: str
+    family: Family = field(default_factory=Family)
+
+
+ARCHITECTURES: dict[str, Architecture] = {
+    "LlamaForCausalLM": Architecture("llama", "LlamaForCausalLM"),
+    "MistralForCausalLM": Architecture("llama", "LlamaForCausalLM", Family(sliding_window_key="sliding_window")),
+    "Qwen2ForCausalLM": Architecture("llama", "LlamaForCausalLM", Family(qkv_bias=True)),
+    "Qwen3ForCausalLM": Architecture("llama", "LlamaForCausalLM", Family(qk_norm=True)),
+    "MixtralForCausalLM": Architecture("llama", "LlamaForCausalLM", Family(
+        sliding_window_key="sliding_window", moe=True,
+        checkpoint_names=((".mlp.", ".block_sparse_moe."), (".gate_proj.", ".w1."), (".up_proj.", ".w3."),
+                          (".down_proj.", ".w2.")))),
+    "Qwen2MoeForCausalLM": Architecture("llama", "LlamaForCausalLM", Family(qkv_bias=True, moe=True)),
+    "Qwen3MoeForCausalLM": Architecture("llama", "LlamaForCausalLM", Family(qk_norm=True, moe=True)),
 }
+
+
+def model_class(architecture: str) -> type:
+    """The class that runs ``architecture`` (a key of ARCHITECTURES)."""
+    entry = ARCHITECTURES[architecture]
+    return getattr(importlib.import_module(f"anna.model.{entry.module}"), entry.class_name)

@@ -1,5 +1,5 @@
-"""How the forward pass executes: torch.compile (which mode, where its cache lives, falling back
-to eager when compilation fails) and the decode executor.
+"""torch.compile of the forward pass: which mode, where its cache lives, falling back to eager
+when compilation fails. (What ``--decode-executor`` means is each platform's: platforms/.)
 
 ``auto`` resolves per device type to what measured fastest (docs/BENCHMARKS.md, "Compiled
 forward"): on CPU that is eager, because decode-only steps run Anna's fused C kernels, which
@@ -24,28 +24,6 @@ AUTO_MODE = {"cpu": "none", "cuda": "none", "xpu": "none"}
 
 def resolve_compile_mode(mode: str, device: torch.device) -> str:
     return AUTO_MODE.get(device.type, "none") if mode == "auto" else mode
-
-
-def resolve_decode_executor(choice: str, device: torch.device, fused_available: bool, profiling: bool,
-                            moe: bool = False) -> str:
-    """``graph`` or ``eager``. On CPU the graph executor is Anna's fused C decode stack (one call for
-    all layers), measured faster than layer by layer (docs/BENCHMARKS.md), so auto picks it. On
-    CUDA it replays captured CUDA graphs (runtime/cuda_graphs.py) when asked for; auto stays eager
-    there until a GPU measurement says otherwise. Profiling times every op, so it runs eager, and
-    so do mixture-of-experts models: their layers pick experts on the host every step."""
-    if choice == "eager":
-        return "eager"
-    why = ("--profile-runtime times each op" if profiling
-           else "mixture-of-experts layers choose their experts on the host each step" if moe else None)
-    if why is None:
-        if device.type == "cpu" and fused_available:
-            return "graph"
-        if device.type == "cuda" and choice == "graph":
-            return "graph"
-        why = "needs Anna's CPU kernels" if device.type == "cpu" else f"graph capture is not implemented for {device.type}"
-    if choice == "graph":
-        log.warning("decode_executor=graph: %s; running eager", why)
-    return "eager"
 
 
 def use_inductor_cache_dir(path: str) -> str:

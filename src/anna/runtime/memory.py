@@ -1,37 +1,19 @@
-"""Device choice and the KV cache memory plan."""
+"""The cache memory plan: from the model's cache specs and the platform's memory, how many KV
+blocks and per-sequence state slots the engine keeps; and the profile runs it is based on."""
 
 from __future__ import annotations
 
-import logging
-import os
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
+from anna.model.cache_spec import CacheSpec, kv_bytes_per_token, state_bytes_per_sequence
 from anna.model.config import ModelConfig
-
-log = logging.getLogger(__name__)
+from anna.platforms import Platform
 
 GIB = 2**30
 MIB = 2**20
-CPU_KV_FRACTION = 0.3  # of available RAM; pages are only committed when blocks are first written
-GPU_ACTIVATION_RESERVE = 1 * GIB  # headroom for activations and the allocator's fragmentation
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        if torch.cuda.is_available():
-            return torch.device("cuda")
-        if hasattr(torch, "xpu") and torch.xpu.is_available():
-            return torch.device("xpu")
-        return torch.device("cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device: 'cuda' was asked for but torch sees no CUDA device")
-    if name == "xpu" and not (hasattr(torch, "xpu") and torch.xpu.is_available()):
-        raise ValueError("device: 'xpu' was asked for but torch sees no XPU device")
-    return torch.device(name)
-
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -42,34 +24,13 @@ def resolve_dtype(name: str, cfg: ModelConfig) -> torch.dtype:
     return DTYPES.get(str(cfg.torch_dtype).replace("torch.", ""), torch.bfloat16)
 
 
-def activation_dtype(weight_dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    """Activations and the KV cache: fp32 on CPU, where half-precision elementwise and batched
-    matmul ops are slower than fp32 and every conversion costs a kernel launch; the weights stay
-    in their own dtype (the CPU kernels read bf16/fp16 and accumulate in fp32). Elsewhere the
-    weight dtype."""
-    return torch.float32 if device.type == "cpu" else weight_dtype
-
-
-def available_host_memory() -> int:
-    try:
-        with open("/proc/meminfo") as fh:
-            for line in fh:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
-def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
-    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * dtype.itemsize
-
-
 @dataclass
-class KVPlan:
-    num_blocks: int
+class CachePlan:
+    num_blocks: int  # paged KV blocks (for the layers with an AttentionSpec)
     block_size: int
-    bytes_per_token: int
+    bytes_per_token: int  # paged KV, all layers
+    num_state_slots: int  # per-sequence state slots (for the layers with a StateSpec), one per running sequence
+    bytes_per_sequence: int  # per-sequence state, all layers
     budget_source: str
     steps: list[str]  # how the budget was reached, one line each, for the start-up log
 
@@ -77,11 +38,22 @@ class KVPlan:
     def num_tokens(self) -> int:
         return self.num_blocks * self.block_size
 
+    def max_concurrency(self, max_model_len: int) -> float:
+        """Sequences of max_model_len tokens the caches hold at once."""
+        by_kv = self.num_tokens / max_model_len if self.bytes_per_token else float("inf")
+        by_state = self.num_state_slots if self.bytes_per_sequence else float("inf")
+        return min(by_kv, by_state)
+
     def describe(self, max_model_len: int) -> str:
-        lines = self.steps + [
-            f"KV cache: {self.num_blocks} blocks x {self.block_size} tokens = {self.num_tokens} tokens, "
-            f"{self.num_tokens * self.bytes_per_token / MIB:.1f} MiB ({self.budget_source})",
-            f"max concurrency at max_model_len={max_model_len}: {self.num_tokens / max_model_len:.2f}"]
+        lines = list(self.steps)
+        if self.bytes_per_token:
+            lines.append(f"paged attention KV: {self.bytes_per_token} bytes per token; {self.num_blocks} blocks x "
+                         f"{self.block_size} tokens = {self.num_tokens} tokens, "
+                         f"{self.num_tokens * self.bytes_per_token / MIB:.1f} MiB ({self.budget_source})")
+        if self.bytes_per_sequence:
+            lines.append(f"per-sequence state: {self.bytes_per_sequence} bytes per sequence; {self.num_state_slots} "
+                         f"slots, {self.num_state_slots * self.bytes_per_sequence / MIB:.1f} MiB")
+        lines.append(f"max concurrency at max_model_len={max_model_len}: {self.max_concurrency(max_model_len):.2f}")
         return "Memory plan:\n" + "\n".join(f"  {line}" for line in lines)
 
 
@@ -97,48 +69,42 @@ def module_bytes(module: torch.nn.Module) -> dict[str, int]:
     return out
 
 
-def plan_kv_cache(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, *, block_size: int,
-                  max_model_len: int, kv_cache_memory_gib: float, num_blocks_override: int,
-                  memory_utilization: float, max_num_seqs: int, weights: dict[str, int] | None = None,
-                  activation_peak: int | None = None, profile_tokens: int = 0,
-                  workspace_bytes: int = 0) -> KVPlan:
-    """Size the KV pool, step by step: weights, the profile run's activation peak, the device's
-    memory and the utilization fraction, the compile/graph workspace, what is left for KV."""
-    per_token = kv_bytes_per_token(cfg, dtype)
+def plan_caches(specs: list[CacheSpec], platform: Platform, *, block_size: int, max_model_len: int,
+                kv_cache_memory_gib: float, num_blocks_override: int, memory_utilization: float, max_num_seqs: int,
+                weights: dict[str, int] | None = None, activation_peak: int | None = None, profile_tokens: int = 0,
+                workspace_bytes: int = 0) -> CachePlan:
+    """Size the caches, step by step: weights, the profile run's activation peak, the platform's
+    memory and the utilization fraction, the compile/graph workspace; the per-sequence state of
+    max_num_seqs sequences first, the rest for paged KV."""
+    per_token = kv_bytes_per_token(specs)
+    per_seq = state_bytes_per_sequence(specs)
+    slots = max_num_seqs if per_seq else 0
+    state_bytes = slots * per_seq
     per_block = per_token * block_size
     steps = ["weights: " + ", ".join(f"{b / MIB:.1f} MiB on {d}" for d, b in sorted((weights or {}).items()))]
     if activation_peak is not None:
         steps.append(f"profile run (prefill of {profile_tokens} tokens, the largest warmup shape): "
                      f"activation peak {activation_peak / MIB:.1f} MiB")
     else:
-        steps.append(f"profile run: skipped on {device.type} (its KV budget does not depend on the activation peak)")
-    reserve = activation_peak if activation_peak is not None else GPU_ACTIVATION_RESERVE
+        steps.append(f"profile run: skipped on {platform.name} (its KV budget does not depend on the activation peak)")
+    reserve = activation_peak if activation_peak is not None else platform.activation_reserve
     steps.append(f"graphs/compile workspace: {workspace_bytes / MIB:.0f} MiB")
+    if state_bytes:
+        steps.append(f"per-sequence state: {slots} slots (max_num_seqs) x {per_seq} bytes = {state_bytes / MIB:.1f} MiB")
     if num_blocks_override:
         blocks, source = num_blocks_override, "num_gpu_blocks_override"
     else:
         if kv_cache_memory_gib > 0:
             budget, source = int(kv_cache_memory_gib * GIB), f"kv_cache_memory={kv_cache_memory_gib} GiB"
-        elif device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(device)
-            used = total - free
-            steps.append(f"device memory: {total / GIB:.2f} GiB total, {used / GIB:.2f} GiB in use, "
-                         f"{free / GIB:.2f} GiB left; memory_utilization {memory_utilization:.2f}")
-            budget = int(total * memory_utilization) - used - reserve - workspace_bytes
-            source = (f"{memory_utilization:.0%} of {total / GIB:.1f} GiB minus {used / GIB:.2f} GiB in use, "
-                      f"{reserve / MIB:.0f} MiB activations, {workspace_bytes / MIB:.0f} MiB workspace")
         else:
-            avail = available_host_memory()
-            steps.append(f"host memory: {avail / GIB:.2f} GiB available; the KV budget is "
-                         f"{CPU_KV_FRACTION:.0%} of it (pages are committed only when written)")
-            budget = int(avail * CPU_KV_FRACTION)
-            source = f"{CPU_KV_FRACTION:.0%} of {avail / GIB:.1f} GiB available RAM"
-            enough = max_num_seqs * max_model_len * per_token  # more than this could never be used at once
-            if budget > enough:
-                budget, source = enough, f"max_num_seqs x max_model_len, below {source}"
-        blocks = max(0, budget // per_block)
-    plan = KVPlan(int(blocks), block_size, per_token, source, steps)
-    if plan.num_tokens < max_model_len:
+            found = platform.kv_budget(memory_utilization=memory_utilization, reserve=reserve,
+                                       workspace=workspace_bytes, enough=max_num_seqs * max_model_len * per_token
+                                       + state_bytes)
+            budget, source = found.bytes, found.source
+            steps += found.steps
+        blocks = max(0, (budget - state_bytes) // per_block) if per_block else 0
+    plan = CachePlan(int(blocks), block_size, per_token, slots, per_seq, source, steps)
+    if per_token and plan.num_tokens < max_model_len:
         raise ValueError(
             f"max_model_len: one sequence of {max_model_len} tokens needs {max_model_len * per_token / MIB:.1f} MiB "
             f"of KV cache but only {plan.num_tokens} tokens fit ({source}); the largest max_model_len that fits is "
@@ -147,64 +113,59 @@ def plan_kv_cache(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, *,
 
 
 @torch.inference_mode()
-def profile_activation_peak(model: torch.nn.Module, cfg: ModelConfig, num_tokens: int, num_logits: int,
-                            block_size: int, device: torch.device, kv_dtype: torch.dtype) -> int | None:
-    """Run one prefill of ``num_tokens`` (with a KV pool just big enough for it) and the lm_head on
-    ``num_logits`` rows; return the allocator's peak beyond what was in use before. CUDA only: on
-    CPU the KV budget is a share of RAM, not what activations leave over, and a 2,048-token prefill
-    of a 0.5B model takes ~14 s there (None: not profiled)."""
+def profile_activation_peak(model: torch.nn.Module, specs: list[CacheSpec], platform: Platform, num_tokens: int,
+                            num_logits: int, block_size: int) -> int | None:
+    """Run one prefill of ``num_tokens`` (with caches just big enough for it) and the lm_head on
+    ``num_logits`` rows; return the allocator's peak beyond what was in use before. Only where the
+    platform's KV budget depends on it (not on CPU, where a 2,048-token prefill of a 0.5B model
+    takes ~14 s: None, not profiled)."""
     from anna.model.attention import build_metadata
 
-    if device.type != "cuda":
+    if not platform.measures_activation_peak:
         return None
+    cfg = model.config
     blocks = -(-num_tokens // block_size)
-    caches = _profile_caches(cfg, blocks, block_size, device, kv_dtype)
+    caches = _profile_caches(specs, platform, blocks, block_size)
     positions = torch.arange(num_tokens)
     table = torch.arange(blocks).unsqueeze(0)
-    meta = build_metadata(positions.clone(), [0], [num_tokens], table, block_size, cfg.sliding_window, device)
-    ids = torch.randint(0, cfg.vocab_size, (num_tokens,), generator=torch.Generator().manual_seed(0)).to(device)
-    return _allocator_peak(device, caches, lambda: model.compute_logits(
-        model(ids, positions.to(device), caches, meta)[-num_logits:]))
+    meta = build_metadata(positions.clone(), [0], [num_tokens], table, block_size, cfg.sliding_window, platform.device)
+    ids = torch.randint(0, cfg.vocab_size, (num_tokens,), generator=torch.Generator().manual_seed(0))
+    ids = ids.to(platform.device)
+    return _peak(platform, caches, lambda: model.compute_logits(
+        model(ids, positions.to(platform.device), caches, meta)[-num_logits:]))
 
 
-def profile_decode_peak(model: torch.nn.Module, cfg: ModelConfig, rows: int, context: int, block_size: int,
-                        device: torch.device, kv_dtype: torch.dtype) -> int | None:
+def profile_decode_peak(model: torch.nn.Module, specs: list[CacheSpec], platform: Platform, rows: int, context: int,
+                        block_size: int) -> int | None:
     """The allocator's peak of one decode step of ``rows`` sequences of ``context`` tokens (all
     reading one block table): what the largest captured decode graph keeps in its own memory pool,
-    the graph workspace of the KV plan. CUDA only (None elsewhere)."""
+    the graph workspace of the plan. None where the platform measures no peaks."""
     from anna.model.attention import build_metadata
 
-    if device.type != "cuda":
+    if not platform.measures_activation_peak:
         return None
+    device = platform.device
     blocks = -(-context // block_size)
-    caches = _profile_caches(cfg, blocks, block_size, device, kv_dtype)
+    caches = _profile_caches(specs, platform, blocks, block_size)
     last = context - 1
     slots = torch.full((rows,), (last // block_size) * block_size + last % block_size)
     table = torch.arange(blocks).unsqueeze(0).expand(rows, -1)
-    meta = build_metadata(slots, [last] * rows, [1] * rows, table, block_size, cfg.sliding_window, device)
+    meta = build_metadata(slots, [last] * rows, [1] * rows, table, block_size, model.config.sliding_window, device)
     ids = torch.zeros(rows, dtype=torch.long, device=device)
     positions = torch.full((rows,), last, device=device)
-    return _allocator_peak(device, caches, lambda: model.compute_logits(model(ids, positions, caches, meta)))
+    return _peak(platform, caches, lambda: model.compute_logits(model(ids, positions, caches, meta)))
 
 
-def _profile_caches(cfg: ModelConfig, blocks: int, block_size: int, device: torch.device,
-                    kv_dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    from anna.model.attention import kv_cache_shape
+def _profile_caches(specs: list[CacheSpec], platform: Platform, blocks: int, block_size: int) -> list:
+    from anna.runtime.model_runner import allocate_caches
 
-    shape = kv_cache_shape(blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
-    return [(torch.zeros(shape, dtype=kv_dtype, device=device), torch.zeros(shape, dtype=kv_dtype, device=device))
-            for _ in range(cfg.num_hidden_layers)]
+    return allocate_caches(specs, platform, num_blocks=blocks, block_size=block_size, num_slots=1, zero=True)
 
 
-def _allocator_peak(device: torch.device, caches: list, run: Callable[[], object]) -> int:
-    """Bytes the CUDA allocator's peak rose above what was allocated before ``run``. Then the
-    profile's caches go back to the device (the KV plan reads the device's free memory)."""
-    torch.cuda.synchronize(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    before = torch.cuda.memory_allocated(device)
-    run()
-    torch.cuda.synchronize(device)
-    peak = torch.cuda.max_memory_allocated(device) - before
+def _peak(platform: Platform, caches: list, run: Callable[[], object]) -> int:
+    """The allocator's peak during ``run``; then the profile's caches go back to the device (the
+    plan reads the device's free memory)."""
+    peak = platform.allocator_peak(run)
     caches.clear()
-    torch.cuda.empty_cache()
+    platform.empty_cache()
     return peak

@@ -5,54 +5,26 @@ once a block in it is written. The pool is divided into chunks of ``chunk_blocks
 chunk becomes resident when one of its blocks is first handed out. When the engine is idle and
 free memory is below the floor, or resident-but-unused KV exceeds the allowed gap, the releaser
 returns every chunk none of whose blocks is in use: cached prefix blocks in it are evicted and
-its pages are dropped (madvise(MADV_DONTNEED) on CPU). It also empties the exact prompt cache and
-the device allocator's cache. Blocks in use are never touched.
+its pages are dropped (the platform's ``release_pages``: madvise(MADV_DONTNEED) on CPU). It also
+empties the exact prompt cache and the device allocator's cache. Blocks in use are never touched.
+Free memory is the platform's (host RAM on CPU, device memory on a GPU).
 """
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import logging
-import mmap
 import time
 from dataclasses import dataclass
 
 import torch
 
+from anna.platforms import Platform
 from anna.runtime.kv_cache import KVCacheManager
-from anna.runtime.memory import available_host_memory
 from anna.runtime.prompt_cache import PromptCache
 
 log = logging.getLogger(__name__)
 
-MADV_DONTNEED = 4
 MIB = 2**20
-
-
-def _libc():
-    try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    except OSError:
-        return None
-
-
-_LIBC = _libc()
-
-
-def drop_pages(t: torch.Tensor, first: int, count: int) -> int:
-    """Drop the whole pages inside rows [first, first+count) of a CPU tensor; return bytes dropped."""
-    if _LIBC is None or t.device.type != "cpu":
-        return 0
-    row = t[0].numel() * t.element_size()
-    start, end = t.data_ptr() + first * row, t.data_ptr() + (first + count) * row
-    page = mmap.PAGESIZE
-    start, end = -(-start // page) * page, end // page * page
-    if end <= start:
-        return 0
-    if _LIBC.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_DONTNEED) != 0:
-        return 0
-    return end - start
 
 
 @dataclass
@@ -64,8 +36,9 @@ class ReleasePolicy:
 
 class MemoryReleaser:
     def __init__(self, kv: KVCacheManager, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                 prompt_cache: PromptCache, device: torch.device, chunk_blocks: int, policy: ReleasePolicy) -> None:
-        self.kv, self.kv_caches, self.prompt_cache, self.device = kv, kv_caches, prompt_cache, device
+                 prompt_cache: PromptCache, platform: Platform, chunk_blocks: int, policy: ReleasePolicy) -> None:
+        """``kv_caches``: the (K, V) tensors of the paged layers, whose rows are blocks."""
+        self.kv, self.kv_caches, self.prompt_cache, self.platform = kv, kv_caches, prompt_cache, platform
         self.chunk_blocks = max(1, chunk_blocks)
         self.policy = policy
         self.block_bytes = sum(k[0].numel() * k.element_size() + v[0].numel() * v.element_size() for k, v in kv_caches)
@@ -86,14 +59,12 @@ class MemoryReleaser:
 
     def idle_gap_bytes(self) -> int:
         """KV memory that is resident but holds no block in use."""
-        if self.device.type == "cuda":
-            return torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+        if not self.platform.pages_on_demand:
+            return self.platform.allocator_idle_bytes()
         return sum(self.chunk_blocks * self.block_bytes for c in self.resident if not self._chunk_in_use(c))
 
     def free_bytes(self) -> int:
-        if self.device.type == "cuda":
-            return torch.cuda.mem_get_info(self.device)[0]
-        return available_host_memory()
+        return self.platform.memory_info().free
 
     def should_release(self) -> str | None:
         p = self.policy
@@ -113,12 +84,11 @@ class MemoryReleaser:
             count = min(self.chunk_blocks, self.kv.num_blocks - first)
             evicted += self.kv.pool.uncache(range(first, first + count))
             for k, v in self.kv_caches:
-                dropped += drop_pages(k, first, count) + drop_pages(v, first, count)
+                dropped += self.platform.release_pages(k, first, count) + self.platform.release_pages(v, first, count)
             self.resident.discard(chunk)
             chunks += 1
         entries = self.prompt_cache.clear()
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+        self.platform.empty_cache()
         self.releases += 1
         freed = {"kv_chunks": chunks, "kv_bytes": dropped, "prefix_blocks_evicted": evicted,
                  "prompt_cache_entries": entries}

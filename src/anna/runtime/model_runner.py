@@ -1,24 +1,26 @@
 """Builds input tensors from a scheduled batch, runs the model, samples.
 
-The runner owns the KV cache tensors and the model; it never decides who runs.
+The runner owns the cache tensors (allocated from the model's cache specs) and the model; it
+never decides who runs. Decode-only steps go through the platform's decode executor where there
+is one (CPU: the fused C decode stack; CUDA: captured graphs); everything else runs the model's
+forward, eager or compiled.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from anna.core.errors import RequestError
 from anna.core.request import Request
 from anna.model.attention import AttentionMetadata, build_metadata, kv_cache_shape, read_slots, write_slots
-from anna.model.host_memory import huge_page_zeros
-from anna.model.linear import profiled
-from anna.model.llama import LlamaForCausalLM
-from anna.runtime.compilation import CompiledForward, first_line
-from anna.runtime.cuda_graphs import GraphDecoder
-from anna.runtime.kv_cache import KVCacheManager
+from anna.model.cache_spec import AttentionSpec, CacheSpec, StateSpec
+from anna.platforms import Platform
+from anna.runtime.cache_managers import CacheManagers
+from anna.runtime.compilation import CompiledForward
 from anna.runtime.sampler import SampleResult, Sampler, token_logprobs
 from anna.runtime.scheduler import ScheduledBatch
 
@@ -55,33 +57,51 @@ class ModelInputs:
     logits_indices: list[int]  # flattened-token index of the last token of each request, model order
 
 
+def allocate_caches(specs: list[CacheSpec], platform: Platform, *, num_blocks: int, block_size: int,
+                    num_slots: int, zero: bool = False, huge_pages: bool = False) -> list:
+    """One entry per layer, as its spec says: (K, V) paged tensors for attention, {name: [slots,
+    *shape]} for a per-sequence state. ``zero``: filled with zeros (else untouched memory)."""
+    def new(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        t = platform.new_cache_tensor(shape, dtype, huge_pages)
+        return t.zero_() if zero else t
+
+    caches: list = []
+    for spec in specs:
+        if isinstance(spec, AttentionSpec):
+            shape = kv_cache_shape(num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
+            caches.append((new(shape, spec.dtype), new(shape, spec.dtype)))
+        elif isinstance(spec, StateSpec):
+            caches.append({t.name: new((num_slots, *t.shape), t.dtype) for t in spec.tensors})
+        else:
+            raise TypeError(f"unknown cache spec {spec!r}")
+    return caches
+
+
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, kv: KVCacheManager, device: torch.device, kv_dtype: torch.dtype,
-                 sampler: Sampler, compile_mode: str = "none", compile_fullgraph: bool = False,
-                 graph_decode: bool = False, max_num_seqs: int = 1, max_model_len: int = 1,
-                 huge_pages: bool = False) -> None:
-        """``graph_decode``: decode-only steps go through a GraphDecoder (captured CUDA graphs on
-        CUDA; elsewhere its padded shapes run eagerly), which needs one spare KV block.
-        ``huge_pages``: on CPU, the KV cache lives on transparent huge pages (host_memory.py)."""
+    def __init__(self, model: torch.nn.Module, caches: CacheManagers, platform: Platform, specs: list[CacheSpec],
+                 sampler: Sampler, *, compile_mode: str = "none", compile_fullgraph: bool = False,
+                 decode_executor: Any = None, huge_pages: bool = False) -> None:
+        """``decode_executor``: the platform's executor of decode-only steps, or None (eager); it may
+        ask for spare KV blocks (CUDA graphs' padded rows write into one). ``huge_pages``: on CPU,
+        the caches live on transparent huge pages (platforms/cpu/host_memory.py)."""
         self.model = model
         self.model_forward = model.forward if compile_mode == "none" else \
             CompiledForward(model.forward, compile_mode, compile_fullgraph)
-        self.kv = kv
-        self.device = device
+        self.caches = caches
+        self.kv = caches.kv
+        self.platform = platform
+        self.device = platform.device
         self.sampler = sampler
-        cfg = model.config
-        blocks = kv.num_blocks + (1 if graph_decode else 0)
-        shape = kv_cache_shape(blocks, kv.block_size, cfg.num_key_value_heads, cfg.head_dim)
-        # On CPU untouched pages cost no RAM until a block is first written (torch.empty or mmap).
-        def new_cache() -> torch.Tensor:
-            if huge_pages and device.type == "cpu":
-                return huge_page_zeros(shape, kv_dtype)
-            return torch.empty(shape, dtype=kv_dtype, device=device)
-
-        self.kv_caches = [(new_cache(), new_cache()) for _ in range(cfg.num_hidden_layers)]
-        self.graphs = GraphDecoder(model.forward, self.kv_caches, pad_block=kv.num_blocks, block_size=kv.block_size,
-                                   max_num_seqs=max_num_seqs, max_model_len=max_model_len, device=device,
-                                   capture=device.type == "cuda") if graph_decode else None
+        self.specs = specs
+        self.decode_executor = decode_executor
+        spare = decode_executor.spare_blocks if decode_executor is not None else 0
+        self.layer_caches = allocate_caches(specs, platform, num_blocks=self.kv.num_blocks + spare,
+                                            block_size=self.kv.block_size,
+                                            num_slots=caches.state.num_slots if caches.state else 0,
+                                            huge_pages=huge_pages)
+        self.kv_caches = [c for c in self.layer_caches if isinstance(c, tuple)]  # the paged layers'
+        if decode_executor is not None:
+            decode_executor.attach(self.layer_caches, pad_block=self.kv.num_blocks)
 
     def prepare(self, requests: list[Request], num_new_tokens: list[int]) -> ModelInputs:
         bs = self.kv.block_size
@@ -109,6 +129,9 @@ class ModelRunner:
         owner = torch.repeat_interleave(torch.arange(len(order)), torch.tensor(lens))
         slots = table_tensor[owner, positions // bs] * bs + positions % bs
         meta = build_metadata(slots, starts, lens, table_tensor, bs, self.model.config.sliding_window, dev)
+        if self.caches.state is not None:
+            meta.state_slots = torch.tensor([self.caches.state.slot(requests[i].request_id) for i in order],
+                                            dtype=torch.long, device=dev)
         logits_indices = (torch.tensor(lens).cumsum(0) - 1).tolist()
         input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
         if on_device:
@@ -119,14 +142,10 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, inputs: ModelInputs) -> torch.Tensor:
         """Hidden states of every scheduled token, in model order."""
-        if self.graphs is not None and self.graphs.applies(inputs.meta, inputs.input_ids.shape[0]):
-            try:
-                return self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
-            except Exception as exc:  # capture (not the model) failed: this step and the rest run eager
-                log.warning("decode_executor=graph: capture failed, running eager from now on: %s",
-                            first_line(exc))
-                self.graphs = None
-        return self.model_forward(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        executor = self.decode_executor
+        if executor is not None and executor.applies(inputs.meta, inputs.input_ids.shape[0], self.layer_caches):
+            return executor.run(inputs.input_ids, inputs.positions, self.layer_caches, inputs.meta)
+        return self.model_forward(inputs.input_ids, inputs.positions, self.layer_caches, inputs.meta)
 
     def _slots(self, request_id: str, num_tokens: int) -> torch.Tensor:
         bs = self.kv.block_size
@@ -163,10 +182,11 @@ class ModelRunner:
 
     def check_device(self) -> None:
         """Raise if the device can no longer run anything (after a failed step)."""
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        elif self.device.type == "xpu":
-            torch.xpu.synchronize(self.device)
+        self.platform.synchronize()
+
+    def read_back(self, refs: list[tuple[torch.Tensor, int]]) -> list[int]:
+        """Sampled tokens left on the device (the sync window): (tensor, row) each, in one copy."""
+        return torch.stack([t[row] for t, row in refs]).tolist()
 
     def _prompt_logprobs(self, batch: ScheduledBatch, inputs: ModelInputs, hidden: torch.Tensor,
                          failed: dict[str, RequestError]) -> dict[str, tuple[int, list]]:
@@ -204,7 +224,7 @@ class ModelRunner:
         rows = torch.tensor([inputs.logits_indices[pos] for pos, _ in sampling], device=self.device)
         logits = self.model.compute_logits(hidden[rows])
         reqs = [r for _, r in sampling]
-        with profiled(self.model.lm_head.policy, "sampling"):
+        with self.model.lm_head.ops.region("sampling"):
             result: SampleResult = self.sampler(logits, reqs)
         for i, error in result.failed.items():
             failed[reqs[i].request_id] = error

@@ -13,12 +13,12 @@ from collections import defaultdict
 from contextlib import contextmanager
 from typing import Iterator
 
-import torch
+from anna.platforms import Platform
 
 
 class RuntimeProfiler:
-    def __init__(self, device: torch.device) -> None:
-        self.sync = torch.cuda.synchronize if device.type == "cuda" else None
+    def __init__(self, platform: Platform) -> None:
+        self.sync = platform.synchronize if platform.asynchronous else None
         self.total: dict[str, float] = defaultdict(float)
         self.calls: dict[str, int] = defaultdict(int)
         self.steps = 0

@@ -5,6 +5,11 @@ Every step has a token budget (``max_num_batched_tokens``) and a sequence limit
 prefilling gets its next chunk), then waiting requests are admitted with prefill chunks.
 When the KV pool runs out, the newest running request is preempted by recompute: its blocks
 are freed and it goes back to the front of the waiting queue.
+
+The scheduler also owns the requests' bookkeeping after a step (``update``): it counts what was
+computed, appends sampled tokens, runs the stop checks that token ids decide (EOS, stop token
+ids, a grammar, max_tokens, max_model_len), and frees what finished. Stop strings need text:
+the output processor checks them and finishes the request here (``finish``).
 """
 
 from __future__ import annotations
@@ -14,9 +19,17 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from anna.core.request import Request, RequestStatus
-from anna.runtime.kv_cache import KVCacheManager
+import logging
+from typing import TYPE_CHECKING
+
+from anna.core.request import PENDING_TOKEN, Request, RequestStatus
+from anna.runtime.cache_managers import CacheManagers
 from anna.runtime.prompt_cache import PromptCache, PromptCacheEntry
+
+if TYPE_CHECKING:
+    from anna.runtime.metrics import EngineStats
+
+log = logging.getLogger(__name__)
 
 
 class StepClass(enum.Enum):
@@ -51,11 +64,25 @@ class ScheduledBatch:
         return bool(self.requests)
 
 
+@dataclass
+class TokenEvent:
+    """What a step gave one request: a token, or (sync window) a token still on the device."""
+
+    req: Request
+    token: int | None  # None: left on the device, see Request.pending
+    logprobs: tuple | None = None
+
+
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, prompt_cache: PromptCache | None = None) -> None:
+    def __init__(self, config: SchedulerConfig, caches: CacheManagers, prompt_cache: PromptCache | None = None,
+                 stats: "EngineStats | None" = None, max_model_len: int = 1 << 62) -> None:
+        from anna.runtime.metrics import EngineStats  # (metrics names the scheduler's step classes)
+
         self.config = config
-        self.kv = kv
+        self.kv = caches  # the cache managers the scheduler allocates through (one per kind)
         self.prompt_cache = prompt_cache or PromptCache(0, 0)
+        self.stats = stats or EngineStats()
+        self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.steps_since_admission = 0
@@ -162,3 +189,101 @@ class Scheduler:
         elif continuing_prefill or batch.preempted:
             batch.step_class = StepClass.BUDGET_RECOMPUTE
         return batch
+
+    # ---- bookkeeping after a step ----
+    def update(self, batch: ScheduledBatch, result) -> tuple[list[TokenEvent], list[Request]]:
+        """Count what the step computed; return the requests' new tokens (in batch order) and the
+        requests whose tokens left on the device are due to be read back. Requests the step
+        failed (``result.failed``) and those finished meanwhile are left out (the engine fails them)."""
+        events: list[TokenEvent] = []
+        due: list[Request] = []
+        for req, n in zip(batch.requests, batch.num_new_tokens):
+            if req.is_finished or req.request_id in result.failed:
+                continue
+            req.num_computed_tokens += n
+            token = result.sampled.get(req.request_id)
+            if token is None:
+                events.append(TokenEvent(req, None))  # a prefill chunk: no token yet
+                continue
+            if token.value is not None:
+                events.append(TokenEvent(req, token.value, token.logprobs))
+                continue
+            req.append_output_token(PENDING_TOKEN)
+            req.pending.append(token.ref)
+            self.record_token(req)
+            events.append(TokenEvent(req, None))
+            if len(req.pending) >= req.sync_every or req.num_output_tokens >= req.sampling_params.max_tokens \
+                    or req.num_tokens >= self.max_model_len:
+                due.append(req)
+        return events, due
+
+    def take_pending(self, req: Request) -> int:
+        """Drop the request's placeholders before its read-back tokens are appended; how many."""
+        n = len(req.pending)
+        req.pending.clear()
+        del req.output_token_ids[-n:], req.all_token_ids[-n:]
+        return n
+
+    def record_token(self, req: Request) -> None:
+        """Count a new output token and its timing, when it is sampled."""
+        stats = self.stats
+        stats.generation_tokens += 1
+        now = time.monotonic()
+        if req.first_token_time is None:
+            req.first_token_time = now
+            stats.ttft.observe(now - req.arrival_time)
+            if req.first_scheduled_time is not None:
+                stats.queue.observe(req.first_scheduled_time - req.arrival_time)
+                stats.prefill.observe(now - req.first_scheduled_time)
+        else:
+            stats.inter_token.observe(now - req.last_token_time)
+        req.last_token_time = now
+
+    def append_token(self, req: Request, token: int, record: bool = True) -> bool:
+        """Append a sampled token and run the stop checks token ids decide; True when the token
+        itself ended the request (EOS, a stop token id, rejected by the grammar: its text is not
+        part of the output). A request that ends here is finished and freed."""
+        p = req.sampling_params
+        req.append_output_token(token)
+        if record:
+            self.record_token(req)
+        if req.grammar is not None and not req.grammar.consume_token(token):
+            log.error("request %s: token %d rejected by its grammar (%s)", req.request_id, token,
+                      req.grammar.get_error())
+            self.finish(req, "stop")
+            return True
+        may_stop = req.num_output_tokens >= p.min_tokens
+        if may_stop and not p.ignore_eos and token in req.eos_token_ids:
+            self.finish(req, "stop")
+            return True
+        if may_stop and token in p.stop_token_ids:
+            self.finish(req, "stop", stop_reason=token)
+            return True
+        if req.grammar is not None and req.grammar.is_stopped():  # the grammar is complete: nothing may follow
+            self.finish(req, "stop")
+        elif req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.max_model_len:
+            self.finish(req, "length")
+        return False
+
+    def finish(self, req: Request, reason: str, stop_reason: int | str | None = None) -> None:
+        """End a request (stop, length, abort, error): out of the queues, its caches freed. A
+        request already finished keeps how it finished, but a stop string found in the text of
+        its last token (the output processor's) ends it as a stop wherever else it stopped."""
+        if req.is_finished:
+            if isinstance(stop_reason, str) and req.finish_reason not in ("abort", "error"):
+                self.stats.finished[req.finish_reason] -= 1
+                self.stats.finished[reason] += 1
+                req.finish_reason, req.stop_reason = reason, stop_reason
+            return
+        req.status = RequestStatus.FINISHED
+        req.finish_reason, req.stop_reason = reason, stop_reason
+        stats = self.stats
+        if reason == "abort":
+            stats.aborted += 1
+        elif reason != "error":  # failures are counted by the engine, which knows their status
+            stats.finished[reason] += 1
+            now = time.monotonic()
+            stats.e2e.observe(now - req.arrival_time)
+            if req.first_token_time is not None:
+                stats.decode.observe(now - req.first_token_time)
+        self.remove(req)

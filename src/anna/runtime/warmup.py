@@ -72,13 +72,9 @@ def run_warmup(engine: LLMEngine) -> WarmupTable:
         temperature=0, max_tokens=max(1, table.decode_steps), structured_outputs=StructuredOutputsParams(json_object=True)))
     while engine.has_unfinished_requests():
         engine.step()
-    if engine.runner.graphs is not None:  # decode graphs for longer contexts than the shapes above reach
-        log.info("Decode graphs: %d shapes", engine.runner.graphs.warm_up(list(table.batch_sizes)))
-    engine.kv.reset_prefix_cache()
-    engine.kv.prefix_cache_queries = engine.kv.prefix_cache_hits = 0
-    engine.prompt_cache.clear()
-    engine.prompt_cache.lookups = engine.prompt_cache.hits = 0
-    engine.scheduler.num_preemptions = 0
-    engine.reset_stats()
+    shapes = engine.warm_up_decode_executor(list(table.batch_sizes))  # e.g. graphs for longer contexts
+    if shapes:
+        log.info("Decode graphs: %d shapes", shapes)
+    engine.reset_after_warmup()
     log.info("Warmup took %.2f s", time.perf_counter() - start)
     return table

@@ -18,6 +18,7 @@ from anna.core.errors import EngineDeadError, RequestError
 from anna.core.outputs import RequestOutput
 from anna.core.sampling_params import SamplingParams
 from anna.runtime.engine import LLMEngine
+from anna.runtime.input_processor import ProcessedRequest
 
 log = logging.getLogger(__name__)
 
@@ -40,13 +41,24 @@ class AsyncEngine:
     # ---- asyncio side ----
     async def generate(self, request_id: str, prompt: str | list[int],
                        params: SamplingParams) -> AsyncIterator[RequestOutput]:
-        """Yield cumulative outputs until the request finishes. Cancelling the consumer (a client
-        disconnect) aborts the request and frees its KV blocks."""
+        """Yield cumulative outputs until the request finishes; the prompt is checked and tokenized
+        on the engine thread. Cancelling the consumer (a client disconnect) aborts the request and
+        frees its KV blocks."""
+        async for out in self._stream(request_id, ("add", request_id, prompt, params)):
+            yield out
+
+    async def generate_processed(self, processed: ProcessedRequest) -> AsyncIterator[RequestOutput]:
+        """The same for a request the input processor already checked (the server's path)."""
+        rid = processed.group.request_id
+        async for out in self._stream(rid, ("add_processed", rid, processed)):
+            yield out
+
+    async def _stream(self, request_id: str, command: tuple) -> AsyncIterator[RequestOutput]:
         if self.error is not None:
             raise EngineDeadError(f"engine loop has stopped: {self.error!r}")
         loop = asyncio.get_running_loop()
         out_q: asyncio.Queue = asyncio.Queue()
-        self._commands.put(("add", request_id, prompt, params, (loop, out_q)))
+        self._commands.put((*command, (loop, out_q)))
         self._wake.set()
         finished = False
         try:
@@ -87,10 +99,13 @@ class AsyncEngine:
                 cmd = self._commands.get_nowait()
             except queue.Empty:
                 return
-            if cmd[0] == "add":
-                _, rid, prompt, params, stream = cmd
+            if cmd[0] in ("add", "add_processed"):
+                rid, stream = cmd[1], cmd[-1]
                 try:
-                    self.engine.add_request(rid, prompt, params)
+                    if cmd[0] == "add":
+                        self.engine.add_request(rid, cmd[2], cmd[3])
+                    else:
+                        self.engine.add_processed(cmd[2])
                     self._streams[rid] = stream
                 except Exception as exc:  # invalid request: report to its caller only
                     loop, q = stream
@@ -114,15 +129,16 @@ class AsyncEngine:
     def _log_stats(self) -> None:
         interval = self.engine.settings.log_stats_interval
         now = time.monotonic()
-        steps = sum(self.engine.stats.steps.counts.values())
-        if interval > 0 and now - self._last_stats_log >= interval and steps != self._last_stats_steps:
-            self._last_stats_log, self._last_stats_steps = now, steps  # idle servers stay quiet
-            e = self.engine
+        if interval <= 0 or now - self._last_stats_log < interval:
+            return
+        snap = self.engine.snapshot()
+        if snap.num_steps != self._last_stats_steps:
+            self._last_stats_log, self._last_stats_steps = now, snap.num_steps  # idle servers stay quiet
             log.info("Running: %d, waiting: %d, KV usage: %.1f%%, prefix cache hits: %d/%d tokens. %s",
-                     len(e.scheduler.running), len(e.scheduler.waiting), 100 * e.kv.usage, e.kv.prefix_cache_hits,
-                     e.kv.prefix_cache_queries, e.stats.steps.summary())
-            if e.profiler is not None:
-                log.info(e.profiler.table())
+                     snap.num_running, snap.num_waiting, 100 * snap.kv_usage, snap.prefix_cache_hits,
+                     snap.prefix_cache_queries, snap.stats.steps.summary())
+            if self.engine.profiler is not None:
+                log.info(self.engine.profiler.table())
 
     def _run(self) -> None:
         engine = self.engine
@@ -132,7 +148,7 @@ class AsyncEngine:
             while not self._stop:
                 self._log_stats()
                 if not engine.has_unfinished_requests() and self._commands.empty():
-                    engine.memory.maybe_release(idle=True, periodic=True)
+                    engine.release_idle_memory(periodic=True)
                     self._wake.wait(timeout=1.0)
                     self._wake.clear()
                     if self._stop:
@@ -159,8 +175,8 @@ class AsyncEngine:
                     cmd = self._commands.get_nowait()
                 except queue.Empty:
                     break
-                if cmd[0] == "add":
-                    self._streams[cmd[1]] = cmd[4]
+                if cmd[0] in ("add", "add_processed"):
+                    self._streams[cmd[1]] = cmd[-1]
             for loop, q in self._streams.values():
                 loop.call_soon_threadsafe(q.put_nowait, dead)
             self._streams.clear()

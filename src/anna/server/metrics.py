@@ -35,16 +35,17 @@ class EngineCollector:
             c.add_metric(lv, value)
             return c
 
-        sched, kv, stats = engine.scheduler, engine.kv, engine.stats
-        yield gauge("num_requests_running", "Requests in the running batch.", len(sched.running))
-        yield gauge("num_requests_waiting", "Requests waiting to be scheduled.", len(sched.waiting))
-        yield gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (1 = full).", kv.usage)
+        snap = engine.snapshot()
+        stats = snap.stats
+        yield gauge("num_requests_running", "Requests in the running batch.", snap.num_running)
+        yield gauge("num_requests_waiting", "Requests waiting to be scheduled.", snap.num_waiting)
+        yield gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (1 = full).", snap.kv_usage)
         yield gauge("kv_cache_resident_bytes", "KV memory in chunks that have been used and not released.",
-                    engine.memory.resident_bytes())
-        yield counter("memory_releases", "Adaptive memory releases.", engine.memory.releases)
-        yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", kv.prefix_cache_queries)
-        yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", kv.prefix_cache_hits)
-        yield counter("num_preemptions", "Requests preempted for lack of KV blocks.", sched.num_preemptions)
+                    snap.kv_resident_bytes)
+        yield counter("memory_releases", "Adaptive memory releases.", snap.memory_releases)
+        yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", snap.prefix_cache_queries)
+        yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", snap.prefix_cache_hits)
+        yield counter("num_preemptions", "Requests preempted for lack of KV blocks.", snap.num_preemptions)
         yield counter("prompt_tokens", "Prompt tokens of accepted requests.", stats.prompt_tokens)
         yield counter("generation_tokens", "Tokens generated.", stats.generation_tokens)
         yield counter("request_aborted", "Requests aborted (client gone or cancelled).", stats.aborted)
@@ -61,9 +62,8 @@ class EngineCollector:
         yield failed
         yield counter("engine_step_failures", "Steps that failed as a whole, failing the requests in them.",
                       stats.failed_steps)
-        pc = engine.prompt_cache
-        yield counter("prompt_cache_lookups", "Exact prompt cache lookups.", pc.lookups)
-        yield counter("prompt_cache_hits", "Exact prompt cache hits.", pc.hits)
+        yield counter("prompt_cache_lookups", "Exact prompt cache lookups.", snap.prompt_cache_lookups)
+        yield counter("prompt_cache_hits", "Exact prompt cache hits.", snap.prompt_cache_hits)
         steps = CounterMetricFamily("anna:engine_steps", "Engine steps by class.", labels=labels + ["step_class"])
         for cls in StepClass:
             steps.add_metric(lv + [cls.value], stats.steps.counts.get(cls, 0))
@@ -82,9 +82,9 @@ class EngineCollector:
         info = InfoMetricFamily("anna:cache_config", "Resolved cache and scheduler settings.")
         s = engine.settings
         info.add_metric([], {k: str(v) for k, v in {
-            "model_name": self.model_name, "block_size": s.block_size, "num_blocks": kv.num_blocks,
-            "enable_prefix_caching": s.enable_prefix_caching, "prompt_cache_size": pc.size,
-            "prompt_cache_max_tokens": pc.max_tokens, "scheduler_profile": s.scheduler_profile,
+            "model_name": self.model_name, "block_size": s.block_size, "num_blocks": snap.num_blocks,
+            "enable_prefix_caching": s.enable_prefix_caching, "prompt_cache_size": snap.prompt_cache_size,
+            "prompt_cache_max_tokens": snap.prompt_cache_max_tokens, "scheduler_profile": s.scheduler_profile,
             "max_num_seqs": s.max_num_seqs, "max_num_batched_tokens": s.max_num_batched_tokens,
             "long_prefill_token_threshold": s.long_prefill_token_threshold,
             "prefill_interval_steps": s.prefill_interval_steps, "quantization": s.quantization}.items()})

@@ -20,10 +20,10 @@ from safetensors.torch import load_file
 from tqdm import tqdm
 
 from anna.model.config import ModelConfig, ModelLoadError
+from anna.model.ops import ModelOps
+from anna.model.registry import model_class
+from anna.platforms import Platform
 from anna.weights import int4_cache as int4_cache_mod
-from anna.model.host_memory import move_to_huge_pages
-from anna.model.linear import KernelPolicy
-from anna.model.llama import LlamaForCausalLM
 
 log = logging.getLogger(__name__)
 
@@ -73,29 +73,30 @@ class Int4CacheOptions:
     user_cache_dir: str = "~/.cache/anna"
 
 
-def load_model(model_dir: str | Path, cfg: ModelConfig, *, dtype: torch.dtype, device: torch.device,
-               max_positions: int, pipeline_workers: int = 2, policy: KernelPolicy | None = None,
-               activation_dtype: torch.dtype | None = None, show_progress: bool = True,
-               int4_cache: Int4CacheOptions | None = None, huge_pages: bool = False) -> LlamaForCausalLM:
-    """``huge_pages``: on CPU, move the loaded weights onto transparent huge pages (host_memory.py)."""
+def load_model(model_dir: str | Path, cfg: ModelConfig, *, dtype: torch.dtype, platform: Platform, ops: ModelOps,
+               max_positions: int, pipeline_workers: int = 2, activation_dtype: torch.dtype | None = None,
+               show_progress: bool = True, int4_cache: Int4CacheOptions | None = None,
+               huge_pages: bool = False) -> torch.nn.Module:
+    """Build the registry's model class for the config's architecture, with ``ops``, and fill it.
+    ``huge_pages``: on CPU, the loaded weights move onto transparent huge pages."""
     model_dir = Path(model_dir)
     files = checkpoint_files(model_dir)
     start = time.perf_counter()
-    policy = policy or KernelPolicy()
+    device = platform.device
     with torch.device(device):
-        model = LlamaForCausalLM(cfg, dtype, max_positions, policy, activation_dtype)
+        model = model_class(cfg.architecture)(cfg, dtype, max_positions, ops, activation_dtype)
     entry = None
     cache = int4_cache or Int4CacheOptions()
-    if policy.quantization == "int4" and cache.enabled:
+    if ops.quant.method == "int4" and cache.enabled:
         root = int4_cache_mod.cache_root(model_dir, cache.directory, cache.user_cache_dir)
-        layout = "cpu-kernels" if policy.serves_with_cpu_kernels(device) else "row-major"
-        entry = root / int4_cache_mod.cache_key(files, policy.int4_group_size, device, layout)
+        entry = root / int4_cache_mod.cache_key(files, ops.quant.int4_group_size, device, platform.kernel_layout(ops))
         state = int4_cache_mod.load_entry(entry, cache.load_workers)
         if state is not None:
             model.load_state_dict(state, strict=True)
             model.interleave_for_cpu_kernels(converted=True)
             log.info("Loaded the int4 layout from %s in %.2f s", entry, time.perf_counter() - start)
-            return _finish(model, device, huge_pages)
+            platform.place_weights(model, huge_pages)
+            return model
     needed = set(model.checkpoint_targets())
     loaded: set[str] = set()
     workers = max(1, pipeline_workers)
@@ -126,12 +127,5 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, *, dtype: torch.dtype, d
             log.info("Saved the int4 layout cache to %s", entry)
         except OSError as exc:
             log.warning("Could not write the int4 layout cache to %s (%s)", entry, exc)
-    return _finish(model, device, huge_pages)
-
-
-def _finish(model: LlamaForCausalLM, device: torch.device, huge_pages: bool) -> LlamaForCausalLM:
-    if huge_pages and device.type == "cpu":
-        moved = move_to_huge_pages(model)
-        if moved:
-            log.info("Weights on huge pages: %.1f MiB", moved / 2**20)
+    platform.place_weights(model, huge_pages)
     return model

@@ -17,7 +17,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-KERNEL_DIR = Path(__file__).parent / "kernels"
+KERNEL_DIR = Path(__file__).parent / "csrc"
 SOURCES = [KERNEL_DIR / name for name in ("cpu_kernels.c", "quant_kernels.c", "decode_layers.c")]
 HEADERS = [KERNEL_DIR / "work_split.h"]
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC"]

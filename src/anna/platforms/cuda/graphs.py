@@ -16,6 +16,8 @@ positions past a row's context are masked, as in an eager step.
 
 Where there is no capture (``capture=False``: any device but CUDA), the padded step runs
 eagerly: the same shapes and buffers, which is what the CPU tests check against the eager path.
+If a capture fails (not the model: the step then runs eagerly and fails on its own if it must),
+one warning says why and every later step runs eager.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from typing import Callable
 import torch
 
 from anna.model.attention import AttentionMetadata
+from anna.runtime.compilation import first_line
 
 log = logging.getLogger(__name__)
 
@@ -48,12 +51,13 @@ def padded_blocks(n: int, max_blocks: int) -> int:
 class GraphDecoder:
     """Runs decode-only forward passes through captured graphs (see the module docstring)."""
 
-    def __init__(self, forward: Callable[..., torch.Tensor], kv_caches: list, *, pad_block: int,
-                 block_size: int, max_num_seqs: int, max_model_len: int, device: torch.device,
-                 capture: bool) -> None:
+    spare_blocks = 1  # padded rows write into one KV block that no request owns
+
+    def __init__(self, forward: Callable[..., torch.Tensor], *, block_size: int, max_num_seqs: int,
+                 max_model_len: int, device: torch.device, capture: bool) -> None:
         self.forward = forward
-        self.kv_caches = kv_caches
-        self.pad_block = pad_block
+        self.kv_caches: list = []
+        self.pad_block = -1
         self.block_size = block_size
         self.sizes = batch_sizes(max_num_seqs)
         self.max_blocks = -(-max_model_len // block_size)
@@ -68,12 +72,26 @@ class GraphDecoder:
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         self.replays = 0  # decode steps served
+        self.failed = False  # a capture failed: every step runs eager
 
-    def applies(self, meta: AttentionMetadata, num_tokens: int) -> bool:
-        return not meta.prefills and meta.num_decode_tokens == num_tokens <= self.sizes[-1]
+    def attach(self, kv_caches: list, pad_block: int) -> None:
+        """The runner's caches, whose block ``pad_block`` is the spare one."""
+        self.kv_caches, self.pad_block = kv_caches, pad_block
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def applies(self, meta: AttentionMetadata, num_tokens: int, kv_caches: list) -> bool:
+        return not self.failed and not meta.prefills and meta.num_decode_tokens == num_tokens <= self.sizes[-1]
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list,
+            meta: AttentionMetadata) -> torch.Tensor:
         """Hidden states [n, hidden] of a decode-only step, as the eager forward returns them."""
+        try:
+            return self._run(input_ids, positions, meta)
+        except Exception as exc:  # capture (not the model) failed: this step and the rest run eager
+            log.warning("decode_executor=graph: capture failed, running eager from now on: %s", first_line(exc))
+            self.failed = True
+            return self.forward(input_ids, positions, kv_caches, meta)
+
+    def _run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         n = input_ids.shape[0]
         rows = padded_batch(n, self.sizes)
         used = meta.decode_block_tables.shape[1]

@@ -1,0 +1,142 @@
+"""The ops a model's layers run, chosen once when the model is built.
+
+Every layer holds the model's ``ModelOps`` and calls it for what differs between devices: its
+matmul, norms, rotary, the gated activation, decode attention, the greedy argmax. The platform
+picks the class when it builds the model (platforms/), so no forward pass asks which device it
+runs on. This module holds torch's implementations, which run anywhere; the CPU platform's
+subclasses (platforms/cpu/ops.py) route to Anna's C kernels.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ContextManager
+
+import torch
+import torch.nn.functional as F
+
+from anna.model.quantization import dequantize_int4, dequantize_int8
+
+if TYPE_CHECKING:
+    from anna.model.attention import AttentionMetadata
+    from anna.model.layers import RopeBatch
+    from anna.runtime.profiler import RuntimeProfiler
+
+
+@dataclass(frozen=True)
+class QuantFormat:
+    """How linear layers are built: dense, or quantized at load time (model/quantization.py)."""
+
+    method: str = "none"  # none | int8 | int4
+    int4_group_size: int = 32
+
+
+@dataclass(frozen=True)
+class LinearRouting:
+    """Which kernel serves a matmul of M rows (measured per machine; see docs/tuning.md)."""
+
+    gemv_max_rows: int = 128  # Anna's CPU kernels: largest M of the weight-streaming kernel
+    upcast_min_rows: int = 8  # CPU without Anna's kernels: from this M on, half matmuls run in fp32
+    int4_matmul: str = "auto"  # auto | packed | dequant
+    int4_gemv_m_threshold: int = 2048  # auto: the packed int4 kernel for M <= this
+
+
+class ModelOps:
+    """torch's ops: what CUDA and XPU run, and the base the CPU platform builds on."""
+
+    kernels: Any = None  # Anna's CPU kernels (platforms/cpu/kernels.py), where they serve
+    attention_dtype: torch.dtype | None = None  # batched attention matmuls in this dtype; None: the input's
+
+    def __init__(self, quant: QuantFormat = QuantFormat(), routing: LinearRouting = LinearRouting(),
+                 profiler: "RuntimeProfiler | None" = None) -> None:
+        self.quant = quant
+        self.routing = routing
+        self.profiler = profiler
+
+    def region(self, name: str) -> ContextManager:
+        """A --profile-runtime region, or nothing."""
+        return nullcontext() if self.profiler is None else self.profiler.region(name)
+
+    # ---- weights ----
+    def keeps_kernel_layout(self, weight: torch.Tensor) -> bool:
+        """Whether this dense weight is stored in a kernel's own layout after loading."""
+        return False
+
+    def streams_weight(self, layer: Any, rows: int) -> bool:
+        """Whether a matmul of ``rows`` rows runs Anna's weight-streaming kernel (dense layers)."""
+        return False
+
+    def reads_packed(self, layer: Any, rows: int) -> bool:
+        """Whether a matmul of ``rows`` rows reads the quantized weight directly (QuantLinear)."""
+        return False
+
+    # ---- matmuls ----
+    def linear(self, layer: Any, x: torch.Tensor) -> torch.Tensor:
+        with self.region(layer.profile_name or "matmul:torch"):
+            return F.linear(x, layer.weight, layer.bias)
+
+    def dequantize(self, layer: Any, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """fp32 row-major weights of a QuantLinear (of the given rows)."""
+        q = layer.qweight if rows is None else layer.qweight[rows]
+        s = layer.scales if rows is None else layer.scales[rows]
+        return dequantize_int8(q, s) if layer.kind == 0 else dequantize_int4(q, s, layer.group)
+
+    def quant_linear(self, layer: Any, x: torch.Tensor) -> torch.Tensor:
+        fmt = "int8" if layer.kind == 0 else "int4"
+        with self.region("dequantize"):
+            w = self.dequantize(layer).to(x.dtype)
+        with self.region(layer.profile_name or f"matmul:{fmt}_dequant_gemm"):
+            return F.linear(x, w, None if layer.bias is None else layer.bias.to(x.dtype))
+
+    # ---- elementwise ----
+    def add_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                    eps: float) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """norm(x); with a residual stream: residual += x, return (norm(residual), residual)."""
+        with self.region("rmsnorm"):
+            if residual is None:
+                return rms_norm(x, weight, eps)
+            residual = residual + x
+            return rms_norm(residual, weight, eps), residual
+
+    def rotary(self, q: torch.Tensor, k: torch.Tensor, rope: "RopeBatch", heads: int, kv_heads: int,
+               head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate q [T, heads * D] and k [T, kv_heads * D]; return them as [T, heads, D]."""
+        t = q.shape[0]
+        with self.region("rotary"):
+            return (apply_rotary(q.view(t, heads, head_dim), rope.cos, rope.sin),
+                    apply_rotary(k.view(t, kv_heads, head_dim), rope.cos, rope.sin))
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up for rows laid out [gate | up]."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    # ---- attention and sampling ----
+    def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         meta: "AttentionMetadata", scale: float, sliding_window: int | None) -> torch.Tensor:
+        from anna.model.attention import torch_decode_attention
+
+        return torch_decode_attention(q, k_cache, v_cache, meta, scale, self.attention_dtype or q.dtype)
+
+    def grouped_experts(self, moe: Any, rows: torch.Tensor, counts: list[int]) -> torch.Tensor | None:
+        """Every chosen expert over its rows (grouped by expert, ``counts`` each) in one call per
+        projection, where a kernel does that; None: the MoE layer runs them one by one."""
+        return None
+
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits.argmax(dim=-1)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+TORCH_OPS = ModelOps()  # for layers built outside an engine (tests, tools)

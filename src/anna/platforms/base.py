@@ -1,0 +1,141 @@
+"""What differs between device kinds, in one object chosen at start (platforms/__init__.py).
+
+Everything device-specific that is not a model op lives behind this interface: memory info and
+the KV budget's source of truth, synchronize, the allocator's cache, where cache tensors and
+weights live, the ops the model's layers are built with, and the decode executor (what
+``--decode-executor graph`` means on this device). Adding a device is one platform file.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from anna.model.ops import LinearRouting, ModelOps, QuantFormat
+
+log = logging.getLogger(__name__)
+
+GIB = 2**30
+MIB = 2**20
+
+
+@dataclass(frozen=True)
+class MemoryInfo:
+    free: int
+    total: int
+
+
+@dataclass
+class KVBudget:
+    bytes: int
+    source: str  # one phrase for the plan's summary line
+    steps: list[str]  # how it was reached, for the start-up log
+
+
+class Platform:
+    """The base: a device whose memory is its own (CUDA, XPU). The CPU platform overrides what
+    differs there (host memory, Anna's kernels, huge pages)."""
+
+    name = "base"
+    measures_activation_peak = True  # the KV plan subtracts a profile run's peak from device memory
+    pages_on_demand = False  # cache memory is committed as it is written and can be handed back by range
+    activation_reserve = 1 * GIB  # headroom when no profile run measured the peak
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    # ---- dtypes and memory ----
+    def activation_dtype(self, weight_dtype: torch.dtype) -> torch.dtype:
+        """Activations and the KV cache: the weights' dtype."""
+        return weight_dtype
+
+    def memory_info(self) -> MemoryInfo:
+        free, total = self._backend().mem_get_info(self.device)
+        return MemoryInfo(free, total)
+
+    def synchronize(self) -> None:
+        self._backend().synchronize(self.device)
+
+    @property
+    def asynchronous(self) -> bool:
+        """Whether kernels run after the host returns (the profiler then synchronizes regions)."""
+        return True
+
+    def allocator_idle_bytes(self) -> int:
+        """Memory the caching allocator holds but no tensor uses."""
+        b = self._backend()
+        return b.memory_reserved(self.device) - b.memory_allocated(self.device)
+
+    def empty_cache(self) -> None:
+        self._backend().empty_cache()
+
+    def allocator_peak(self, run: Callable[[], object]) -> int:
+        """Bytes the allocator's peak rose above what was allocated before ``run``."""
+        b = self._backend()
+        b.synchronize(self.device)
+        b.reset_peak_memory_stats(self.device)
+        before = b.memory_allocated(self.device)
+        run()
+        b.synchronize(self.device)
+        return b.max_memory_allocated(self.device) - before
+
+    def kv_budget(self, *, memory_utilization: float, reserve: int, workspace: int, enough: int) -> KVBudget:
+        """What the KV cache may take when no budget is given: the utilization share of device
+        memory, minus what is in use, the activation reserve and the graph workspace."""
+        info = self.memory_info()
+        used = info.total - info.free
+        steps = [f"device memory: {info.total / GIB:.2f} GiB total, {used / GIB:.2f} GiB in use, "
+                 f"{info.free / GIB:.2f} GiB left; memory_utilization {memory_utilization:.2f}"]
+        budget = int(info.total * memory_utilization) - used - reserve - workspace
+        source = (f"{memory_utilization:.0%} of {info.total / GIB:.1f} GiB minus {used / GIB:.2f} GiB in use, "
+                  f"{reserve / MIB:.0f} MiB activations, {workspace / MIB:.0f} MiB workspace")
+        return KVBudget(budget, source, steps)
+
+    def release_pages(self, tensor: torch.Tensor, first: int, count: int) -> int:
+        """Give the memory of rows [first, first+count) of a cache tensor back; bytes returned.
+        Device memory stays with the allocator (``empty_cache`` returns what it holds idle)."""
+        return 0
+
+    # ---- tensors and weights ----
+    def new_cache_tensor(self, shape: tuple[int, ...], dtype: torch.dtype, huge_pages: bool = False) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype, device=self.device)
+
+    def place_weights(self, model: torch.nn.Module, huge_pages: bool) -> None:
+        """After loading: move the weights where this device serves them best (nothing here)."""
+
+    # ---- execution ----
+    def build_ops(self, cpu: Any, quant: QuantFormat, profiler: Any, cache_dir: str = "~/.cache/anna") -> ModelOps:
+        """The ops the model's layers are built with (``cpu``: the cpu settings section;
+        ``cache_dir``: where compiled kernels are kept)."""
+        return ModelOps(quant, _routing(cpu), profiler)
+
+    def kernel_layout(self, ops: ModelOps) -> str:
+        """The weight layout the ops read, part of the int4 cache key."""
+        return "row-major"
+
+    def decode_executor(self, choice: str, model: torch.nn.Module, ops: ModelOps, *, profiling: bool,
+                        max_num_seqs: int, max_model_len: int, block_size: int) -> Any:
+        """The executor of decode-only steps that ``choice`` (auto | eager | graph) resolves to
+        here, or None for eager (layer by layer). Warns once when graph was asked for and cannot run."""
+        if choice == "graph":
+            log.warning("decode_executor=graph: graph capture is not implemented for %s; running eager", self.name)
+        return None
+
+    def _backend(self) -> Any:
+        return getattr(torch, self.name)
+
+
+def _routing(cpu: Any) -> LinearRouting:
+    return LinearRouting(cpu.cpu_gemv_max_rows, cpu.cpu_upcast_min_rows, cpu.int4_matmul, cpu.int4_gemv_m_threshold)
+
+
+def no_graph_reason(profiling: bool, moe: bool) -> str | None:
+    """Why no decode graph may run whatever the device, or None."""
+    if profiling:
+        return "--profile-runtime times each op"
+    if moe:
+        return "mixture-of-experts layers choose their experts on the host each step"
+    return None

@@ -1,0 +1,147 @@
+"""The CPU: host memory, fp32 activations, Anna's C kernels (kernels.py, csrc/) picked at start,
+weights and KV on huge pages (host_memory.py), and the fused decode stack (fused_decode.py) as
+its decode executor."""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import mmap
+import os
+from typing import Any
+
+import torch
+
+from anna.model.ops import ModelOps, QuantFormat
+from anna.platforms.base import GIB, KVBudget, MemoryInfo, Platform, _routing, no_graph_reason
+
+log = logging.getLogger(__name__)
+
+KV_FRACTION = 0.3  # of available RAM; pages are only committed when blocks are first written
+MADV_DONTNEED = 4
+
+
+def read_host_memory() -> MemoryInfo:
+    """(MemAvailable, MemTotal) from /proc/meminfo, or sysconf where there is none."""
+    fields: dict[str, int] = {}
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                key, _, rest = line.partition(":")
+                fields[key] = int(rest.split()[0]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    page = os.sysconf("SC_PAGE_SIZE")
+    return MemoryInfo(fields.get("MemAvailable", os.sysconf("SC_AVPHYS_PAGES") * page),
+                      fields.get("MemTotal", os.sysconf("SC_PHYS_PAGES") * page))
+
+
+def _libc():
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    except OSError:
+        return None
+
+
+_LIBC = _libc()
+
+
+class CpuPlatform(Platform):
+    name = "cpu"
+    measures_activation_peak = False  # the KV budget is a share of RAM, not what activations leave over
+    pages_on_demand = True
+
+    def activation_dtype(self, weight_dtype: torch.dtype) -> torch.dtype:
+        """fp32: half-precision elementwise and batched matmul ops are slower than fp32 on CPUs and
+        every conversion costs a kernel launch; weights stay in their own dtype (the kernels read
+        bf16/fp16 and accumulate in fp32)."""
+        return torch.float32
+
+    def memory_info(self) -> MemoryInfo:
+        return read_host_memory()
+
+    def synchronize(self) -> None:
+        pass
+
+    @property
+    def asynchronous(self) -> bool:
+        return False
+
+    def allocator_idle_bytes(self) -> int:
+        return 0
+
+    def empty_cache(self) -> None:
+        pass
+
+    def allocator_peak(self, run: Any) -> int:
+        raise NotImplementedError("the CPU platform does not profile activation peaks")
+
+    def kv_budget(self, *, memory_utilization: float, reserve: int, workspace: int, enough: int) -> KVBudget:
+        avail = self.memory_info().free
+        steps = [f"host memory: {avail / GIB:.2f} GiB available; the KV budget is {KV_FRACTION:.0%} of it "
+                 "(pages are committed only when written)"]
+        budget, source = int(avail * KV_FRACTION), f"{KV_FRACTION:.0%} of {avail / GIB:.1f} GiB available RAM"
+        if budget > enough:  # more than this could never be used at once
+            budget, source = enough, f"max_num_seqs x max_model_len, below {source}"
+        return KVBudget(budget, source, steps)
+
+    def release_pages(self, tensor: torch.Tensor, first: int, count: int) -> int:
+        """madvise(MADV_DONTNEED) the whole pages inside rows [first, first+count)."""
+        if _LIBC is None:
+            return 0
+        row = tensor[0].numel() * tensor.element_size()
+        start, end = tensor.data_ptr() + first * row, tensor.data_ptr() + (first + count) * row
+        page = mmap.PAGESIZE
+        start, end = -(-start // page) * page, end // page * page
+        if end <= start:
+            return 0
+        if _LIBC.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_DONTNEED) != 0:
+            return 0
+        return end - start
+
+    def new_cache_tensor(self, shape: tuple[int, ...], dtype: torch.dtype, huge_pages: bool = False) -> torch.Tensor:
+        """Untouched pages cost no RAM until a block is first written (torch.empty or mmap)."""
+        if huge_pages:
+            from anna.platforms.cpu.host_memory import huge_page_zeros
+            return huge_page_zeros(shape, dtype)
+        return torch.empty(shape, dtype=dtype)
+
+    def place_weights(self, model: torch.nn.Module, huge_pages: bool) -> None:
+        if huge_pages:
+            from anna.platforms.cpu.host_memory import move_to_huge_pages
+            moved = move_to_huge_pages(model)
+            if moved:
+                log.info("Weights on huge pages: %.1f MiB", moved / 2**20)
+
+    def build_ops(self, cpu: Any, quant: QuantFormat, profiler: Any, cache_dir: str = "~/.cache/anna") -> ModelOps:
+        from anna.platforms.cpu.kernels import build_cpu_kernels
+        from anna.platforms.cpu.ops import CpuKernelOps, CpuTorchOps
+
+        kernels = build_cpu_kernels(cache_dir, cpu.cpu_kernel_compiler) if cpu.cpu_kernels else None
+        log.info("CPU kernels: %s", f"Anna's (matmuls up to M={cpu.cpu_gemv_max_rows})" if kernels else "torch's")
+        if kernels is None:
+            return CpuTorchOps(quant, _routing(cpu), profiler)
+        return CpuKernelOps(kernels, quant, _routing(cpu), profiler)
+
+    def kernel_layout(self, ops: ModelOps) -> str:
+        return "cpu-kernels" if ops.kernels is not None else "row-major"
+
+    def decode_executor(self, choice: str, model: torch.nn.Module, ops: ModelOps, *, profiling: bool,
+                        max_num_seqs: int, max_model_len: int, block_size: int) -> Any:
+        """graph here is Anna's fused C decode stack (one call for all layers), measured faster than
+        layer by layer (docs/BENCHMARKS.md), so auto picks it where it can run."""
+        if choice == "eager":
+            return None
+        from anna.platforms.cpu.fused_decode import FusedDecodeExecutor
+
+        why = no_graph_reason(profiling, getattr(model.config, "moe", None) is not None)
+        if why is None and ops.kernels is None:
+            why = "needs Anna's CPU kernels"
+        if why is None and not FusedDecodeExecutor.supports(model):
+            why = f"the fused decode stack does not serve {type(model).__name__}"
+        if why is not None:
+            if choice == "graph":
+                log.warning("decode_executor=graph: %s; running eager", why)
+            return None
+        return FusedDecodeExecutor(model, ops)

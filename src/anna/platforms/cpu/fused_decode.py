@@ -1,0 +1,102 @@
+"""The CPU's decode executor: a decode-only step of a Llama-family model runs the whole decoder
+stack in one C call (csrc/decode_layers.c), since per-op Python dispatch costs as much as the
+weight reads at this size. Prefill and mixed steps run the model op by op; so do steps this
+stack cannot serve (more rows than the weight-streaming kernel takes, int4 routed to dequant).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from anna.model.attention import AttentionMetadata
+from anna.model.linear import Linear, QuantLinear
+from anna.model.ops import ModelOps
+from anna.platforms.cpu.kernels import WEIGHT_TYPES, AnnaLayer, AnnaLinear
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+class FusedDecodeExecutor:
+    spare_blocks = 0  # it writes only the slots of the requests it runs
+
+    def __init__(self, model: torch.nn.Module, ops: ModelOps) -> None:
+        self.model = model
+        self.ops = ops
+        self._fusable: bool | None = None
+        self._descriptors: tuple | None = None
+
+    @staticmethod
+    def supports(model: torch.nn.Module) -> bool:
+        """The stack is the Llama family's dense decoder (no experts)."""
+        from anna.model.llama import LlamaForCausalLM
+
+        return isinstance(model, LlamaForCausalLM) and model.config.moe is None
+
+    def attach(self, kv_caches: list[KVCache], pad_block: int) -> None:
+        pass  # descriptors are built on first use, from the caches each step hands in
+
+    def applies(self, meta: AttentionMetadata, num_tokens: int, kv_caches: list[KVCache]) -> bool:
+        if meta.prefills or meta.num_decode_tokens != num_tokens or num_tokens > self.ops.routing.gemv_max_rows \
+                or kv_caches[0][0].dtype != torch.float32:
+            return False
+        layers = self.model.layers
+        if self._fusable is None:
+            self._fusable = all(lin.interleaved for layer in layers
+                                for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                            layer.mlp.gate_up_proj, layer.mlp.down_proj))
+        if not self._fusable:
+            return False
+        gate_up = layers[0].mlp.gate_up_proj
+        return not (isinstance(gate_up, QuantLinear) and not gate_up.uses_packed_kernel(num_tokens))
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
+            meta: AttentionMetadata) -> torch.Tensor:
+        model = self.model
+        cfg = model.config
+        hidden = model.embed(input_ids)
+        return self.ops.kernels.decode_layers(
+            self._layer_descriptors(kv_caches), hidden.contiguous(), heads=cfg.num_attention_heads,
+            kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, intermediate=cfg.intermediate_size,
+            eps=cfg.rms_norm_eps, positions=positions.contiguous(), slots=meta.slot_mapping.contiguous(),
+            tables=meta.decode_block_tables.contiguous(), context_lens=meta.decode_context_lens.contiguous(),
+            block_size=meta.block_size, window=cfg.sliding_window, scale=cfg.head_dim ** -0.5,
+            cos_table=model.rotary.cos, sin_table=model.rotary.sin, final_norm=model.norm.weight)
+
+    def warm_up(self, batch_sizes: list[int]) -> int:
+        return 0  # nothing to capture: the warmup table's decode steps run it
+
+    def _layer_descriptors(self, kv_caches: list[KVCache]):
+        """ctypes descriptors of every layer's weights and caches, built once (they never move)."""
+        key = tuple(k.data_ptr() for k, _ in kv_caches)
+        if self._descriptors is not None and self._descriptors[0] == key:
+            return self._descriptors[1]
+        keep: list[torch.Tensor] = []  # fp32 copies of biases, kept alive with the descriptors
+        layers = self.model.layers
+        array = (AnnaLayer * len(layers))()
+        for desc, layer, (k_cache, v_cache) in zip(array, layers, kv_caches):
+            attn, mlp = layer.self_attn, layer.mlp
+            desc.input_norm = layer.input_layernorm.weight.data_ptr()
+            desc.post_norm = layer.post_attention_layernorm.weight.data_ptr()
+            desc.q_norm = attn.q_norm.weight.data_ptr() if attn.q_norm is not None else None
+            desc.k_norm = attn.k_norm.weight.data_ptr() if attn.k_norm is not None else None
+            desc.norm_wtype = WEIGHT_TYPES[layer.input_layernorm.weight.dtype]
+            for field, lin in (("qkv", attn.qkv_proj), ("o", attn.o_proj), ("gate_up", mlp.gate_up_proj),
+                               ("down", mlp.down_proj)):
+                _describe_linear(getattr(desc, field), lin, keep)
+            desc.k_cache, desc.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
+        self._descriptors = (key, array, keep)
+        return array
+
+
+def _describe_linear(desc: AnnaLinear, lin: Linear | QuantLinear, keep: list[torch.Tensor]) -> None:
+    bias = None if lin.bias is None else lin.bias.detach().float().contiguous()
+    if bias is not None:
+        keep.append(bias)
+    desc.bias = None if bias is None else bias.data_ptr()
+    desc.n, desc.k = lin.out_features, lin.in_features
+    if isinstance(lin, QuantLinear):
+        desc.weight, desc.scales = lin.qweight.data_ptr(), lin.scales.data_ptr()
+        desc.wtype, desc.qkind, desc.group = -1, lin.kind, lin.group
+    else:
+        desc.weight, desc.scales = lin.weight.data_ptr(), None
+        desc.wtype, desc.qkind, desc.group = WEIGHT_TYPES[lin.weight.dtype], 0, 0

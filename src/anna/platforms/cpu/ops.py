@@ -1,0 +1,164 @@
+"""The CPU's ops: torch's with fp32 arithmetic where half precision is slow on a CPU, and, where
+Anna's kernels could be built, those kernels (platforms/cpu/kernels.py).
+
+Activations and the KV cache are fp32 on CPU (platforms/cpu/__init__.py), so these ops receive
+fp32 activations; weights stay in their own dtype (bf16/fp16, or int8/int4) and the kernels
+read them as they are. Matmuls are routed by M (``LinearRouting``): the weight-streaming kernels
+for decode-sized M, torch's fp32 GEMM above.
+"""
+
+from __future__ import annotations
+
+from itertools import accumulate
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from anna.model.attention import AttentionMetadata
+from anna.model.layers import RopeBatch
+from anna.model.linear import QuantLinear
+from anna.model.ops import LinearRouting, ModelOps, QuantFormat
+from anna.platforms.cpu.kernels import WEIGHT_TYPES, CpuKernels
+
+
+class CpuTorchOps(ModelOps):
+    """torch's kernels on CPU (no C compiler, no AVX2, or --no-cpu-kernels)."""
+
+    attention_dtype = torch.float32  # half-precision batched matmuls are slow without native support
+
+    def linear(self, layer: Any, x: torch.Tensor) -> torch.Tensor:
+        w = layer.weight
+        if w.dtype == x.dtype:
+            return super().linear(layer, x)
+        rows = x.numel() // x.shape[-1]
+        if 0 < self.routing.upcast_min_rows <= rows:
+            return _upcast_linear(self, layer, x, w)
+        with self.region(layer.profile_name or "matmul:torch_half"):
+            return F.linear(x.to(w.dtype), w, layer.bias).to(x.dtype)
+
+
+class CpuKernelOps(CpuTorchOps):
+    """Anna's C kernels: weight-streaming and packed quantized matmuls, fused norms, rotary, the
+    gated activation, paged decode attention and the greedy argmax."""
+
+    def __init__(self, kernels: CpuKernels, quant: QuantFormat = QuantFormat(),
+                 routing: LinearRouting = LinearRouting(), profiler: Any = None) -> None:
+        super().__init__(quant, routing, profiler)
+        self.kernels = kernels
+
+    def keeps_kernel_layout(self, weight: torch.Tensor) -> bool:
+        return self.kernels.supports_weight(weight)
+
+    def streams_weight(self, layer: Any, rows: int) -> bool:
+        return layer.interleaved and rows <= self.routing.gemv_max_rows
+
+    def reads_packed(self, layer: Any, rows: int) -> bool:
+        if not layer.interleaved:
+            return False
+        if layer.kind == 0:
+            return rows <= self.routing.gemv_max_rows
+        r = self.routing
+        return r.int4_matmul == "packed" or (r.int4_matmul == "auto" and rows <= r.int4_gemv_m_threshold)
+
+    def linear(self, layer: Any, x: torch.Tensor) -> torch.Tensor:
+        w = layer.weight
+        rows = x.numel() // x.shape[-1]
+        if self.streams_weight(layer, rows):
+            with self.region(layer.profile_name or "matmul:anna_gemv"):
+                return self.kernels.gemv(x, w, layer.bias).to(x.dtype)
+        if layer.interleaved:  # a large M: torch's GEMM on the row-major weight, converted in C
+            return _upcast_linear(self, layer, x, self.kernels.deinterleave(w))
+        if w.dtype == x.dtype:
+            return ModelOps.linear(self, layer, x)
+        return _upcast_linear(self, layer, x, w)
+
+    def dequantize(self, layer: Any, rows: torch.Tensor | None = None) -> torch.Tensor:
+        if not layer.interleaved:
+            return super().dequantize(layer, rows)
+        return self.kernels.dequant(layer.qweight, layer.scales, layer.kind, layer.group, layer.in_features, rows)
+
+    def quant_linear(self, layer: Any, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1]
+        if not self.reads_packed(layer, rows):
+            return super().quant_linear(layer, x)
+        fmt = "int8" if layer.kind == 0 else "int4"
+        with self.region(layer.profile_name or f"matmul:{fmt}_packed"):
+            return self.kernels.qgemm(x, layer.qweight, layer.scales, layer.kind, layer.group,
+                                      layer.bias).to(x.dtype)
+
+    def add_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                    eps: float) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        with self.region("rmsnorm"):
+            x = x.contiguous()
+            if residual is None:
+                return self.kernels.add_rmsnorm(x, None, weight, eps)
+            return self.kernels.add_rmsnorm(residual, x, weight, eps), residual
+
+    def rotary(self, q: torch.Tensor, k: torch.Tensor, rope: RopeBatch, heads: int, kv_heads: int,
+               head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+        t = q.shape[0]
+        with self.region("rotary"):
+            self.kernels.rotary(q, heads, head_dim, rope.cos_table, rope.sin_table, rope.positions)
+            self.kernels.rotary(k, kv_heads, head_dim, rope.cos_table, rope.sin_table, rope.positions)
+        return q.view(t, heads, head_dim), k.view(t, kv_heads, head_dim)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return self.kernels.silu_mul(gate_up)
+
+    def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         meta: AttentionMetadata, scale: float, sliding_window: int | None) -> torch.Tensor:
+        return self.kernels.decode_attention(q.contiguous(), k_cache, v_cache, meta.decode_block_tables.contiguous(),
+                                             meta.decode_context_lens, sliding_window, scale)
+
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        return self.kernels.argmax(logits)
+
+    def grouped_experts(self, moe: Any, rows: torch.Tensor, counts: list[int]) -> torch.Tensor | None:
+        """Where Anna's kernels would serve every expert's matmuls (the packed quantized kernel, or
+        the weight-streaming one), all chosen experts run in one call per projection."""
+        gate_up, down = moe.experts[0].gate_up_proj, moe.experts[0].down_proj
+        most = max(counts)
+        if gate_up.bias is not None:
+            return None
+        serves = self.reads_packed if isinstance(gate_up, QuantLinear) else self.streams_weight
+        if not (serves(gate_up, most) and serves(down, most)):
+            return None
+        active = [e for e, count in enumerate(counts) if count]
+        ids = torch.tensor(active, dtype=torch.long)
+        starts = torch.tensor([0, *accumulate(counts[e] for e in active)], dtype=torch.long)
+        gate_up_tables, down_tables = _pointer_tables(moe)
+        with self.region("matmul:experts_grouped"):
+            h = self._grouped_matmul(gate_up, gate_up_tables, rows, ids, starts)
+            return self._grouped_matmul(down, down_tables, self.kernels.silu_mul(h), ids, starts)
+
+    def _grouped_matmul(self, linear: Any, table: tuple[torch.Tensor, ...], x: torch.Tensor, ids: torch.Tensor,
+                        starts: torch.Tensor) -> torch.Tensor:
+        """The experts' matmuls of one projection (``linear`` is any expert's: they share shape and format)."""
+        if isinstance(linear, QuantLinear):
+            return self.kernels.qgemm_experts(x, *table, ids, starts, linear.kind, linear.group, linear.out_features)
+        return self.kernels.gemv_experts(x, *table, ids, starts, WEIGHT_TYPES[linear.weight.dtype],
+                                         linear.out_features)
+
+
+def _weight_tensors(linear: Any) -> tuple[torch.Tensor, ...]:
+    return (linear.qweight, linear.scales) if isinstance(linear, QuantLinear) else (linear.weight,)
+
+
+def _pointer_tables(moe: Any) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+    """Every expert's weight data pointers per projection (int64: (weights,) or (qweights, scales)),
+    built once and kept on the layer (rebuilt if the weights moved, e.g. onto huge pages)."""
+    key = _weight_tensors(moe.experts[0].gate_up_proj)[0].data_ptr()
+    if moe.kernel_tables is None or moe.kernel_tables[0] != key:
+        def table(name: str) -> tuple[torch.Tensor, ...]:
+            per_expert = [_weight_tensors(getattr(expert, name)) for expert in moe.experts]
+            return tuple(torch.tensor([tensors[i].data_ptr() for tensors in per_expert], dtype=torch.int64)
+                         for i in range(len(per_expert[0])))
+        moe.kernel_tables = (key, table("gate_up_proj"), table("down_proj"))
+    return moe.kernel_tables[1], moe.kernel_tables[2]
+
+
+def _upcast_linear(ops: ModelOps, layer: Any, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    with ops.region(layer.profile_name or "matmul:torch_fp32_upcast"):
+        bias = None if layer.bias is None else layer.bias.float()
+        return F.linear(x.float(), w.float(), bias).to(x.dtype)

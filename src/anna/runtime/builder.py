@@ -1,0 +1,175 @@
+"""Builds an engine's parts from resolved settings, in order: the model's files, the platform,
+the weights (with the ops the platform chose), the cache plan from the model's cache specs, the
+cache managers, the scheduler, the runner, and the input side. Each component takes its
+settings section whole (core/config.py, SECTION_FIELDS)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from anna.core.config import ResolvedSettings
+from anna.core.sampling_params import SamplingParams
+from anna.model.cache_spec import AttentionSpec, state_layers
+from anna.model.config import ModelConfig, load_generation_defaults, load_model_config
+from anna.model.ops import ModelOps, QuantFormat
+from anna.platforms import Platform, resolve_platform
+from anna.runtime.cache_managers import CacheManagers
+from anna.runtime.compilation import resolve_compile_mode, use_inductor_cache_dir
+from anna.runtime.input_processor import InputProcessor
+from anna.runtime.kv_cache import KVCacheManager
+from anna.runtime.memory import (CachePlan, module_bytes, plan_caches, profile_activation_peak, profile_decode_peak,
+                                 resolve_dtype)
+from anna.runtime.memory_release import MemoryReleaser, ReleasePolicy
+from anna.runtime.metrics import EngineStats
+from anna.runtime.model_runner import ModelRunner
+from anna.runtime.profiler import RuntimeProfiler
+from anna.runtime.prompt_cache import PromptCache
+from anna.runtime.sampler import Sampler
+from anna.runtime.scheduler import Scheduler, SchedulerConfig
+from anna.runtime.state_cache import StateCacheManager
+from anna.runtime.structured_output import StructuredOutputCompiler
+from anna.weights.chat_template import load_chat_template
+from anna.weights.demo_model import DEMO_NOTICE, ensure_demo_model
+from anna.weights.loader import Int4CacheOptions, load_model
+from anna.weights.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineParts:
+    settings: ResolvedSettings
+    model_dir: str
+    is_demo: bool
+    model_config: ModelConfig
+    tokenizer: Tokenizer
+    platform: Platform
+    dtype: torch.dtype
+    activation_dtype: torch.dtype
+    max_model_len: int
+    profiler: RuntimeProfiler | None
+    ops: ModelOps
+    decode_executor: str  # graph | eager, as resolved
+    compile_mode: str
+    plan: CachePlan
+    kv: KVCacheManager
+    caches: CacheManagers
+    prompt_cache: PromptCache
+    stats: EngineStats
+    scheduler: Scheduler
+    runner: ModelRunner
+    memory: MemoryReleaser
+    inputs: InputProcessor
+
+
+def build_engine_parts(s: ResolvedSettings, show_progress: bool = True) -> EngineParts:
+    sec = s.sections
+    m, c, sch, ex, cpu = sec.model, sec.cache, sec.scheduler, sec.execution, sec.cpu
+    is_demo = m.model is None
+    model_dir = str(ensure_demo_model(m.cache_dir)) if is_demo else m.model
+    if is_demo:
+        log.warning("No model given: using %s (%s)", model_dir, DEMO_NOTICE)
+    cfg = load_model_config(model_dir)
+    tokenizer = Tokenizer(m.tokenizer or model_dir)
+    if m.chat_template:
+        tokenizer.chat_template = load_chat_template(m.chat_template)
+    platform = resolve_platform(ex.device)
+    dtype = resolve_dtype(m.dtype, cfg)
+    act_dtype = platform.activation_dtype(dtype)
+    max_model_len = m.max_model_len or cfg.max_position_embeddings
+    if max_model_len > cfg.max_position_embeddings and cfg.rope_scaling is None:
+        raise ValueError(f"max_model_len: {max_model_len} exceeds the model's max_position_embeddings "
+                         f"({cfg.max_position_embeddings})")
+    log.info("Resolved settings:\n%s", s.table())
+    sampling_defaults = _sampling_defaults(m.generation_config, model_dir)
+    profiler = RuntimeProfiler(platform) if ex.profile_runtime else None
+    ops = platform.build_ops(cpu, QuantFormat(m.quantization, m.int4_group_size), profiler, m.cache_dir)
+    model = load_model(model_dir, cfg, dtype=dtype, platform=platform, ops=ops,
+                       max_positions=max(max_model_len, cfg.max_position_embeddings),
+                       pipeline_workers=m.weight_load_pipeline_workers, activation_dtype=act_dtype,
+                       int4_cache=Int4CacheOptions(not m.disable_int4_cache, m.int4_cache_dir,
+                                                   m.int4_cache_load_workers, m.cache_dir),
+                       show_progress=show_progress, huge_pages=cpu.cpu_huge_pages)
+    specs = model.cache_specs(act_dtype)
+    executor = platform.decode_executor(ex.decode_executor, model, ops, profiling=profiler is not None,
+                                        max_num_seqs=sch.max_num_seqs, max_model_len=max_model_len,
+                                        block_size=c.block_size)
+    executor_name = "graph" if executor is not None else "eager"
+    log.info("Decode executor: %s", executor_name)
+    profile_tokens = min(sch.max_num_batched_tokens, max_model_len)  # the largest prefill one step runs
+    peak = profile_activation_peak(model, specs, platform, profile_tokens, min(sch.max_num_seqs, profile_tokens),
+                                   c.block_size)
+    workspace = profile_decode_peak(model, specs, platform, sch.max_num_seqs, max_model_len, c.block_size) \
+        if executor is not None and executor.spare_blocks else None
+    plan = plan_caches(specs, platform, block_size=c.block_size, max_model_len=max_model_len,
+                       kv_cache_memory_gib=c.kv_cache_memory, num_blocks_override=c.num_gpu_blocks_override,
+                       memory_utilization=c.memory_utilization, max_num_seqs=sch.max_num_seqs,
+                       weights=module_bytes(model), activation_peak=peak, profile_tokens=profile_tokens,
+                       workspace_bytes=workspace or 0)
+    log.info(plan.describe(max_model_len))
+    kv = KVCacheManager(plan.num_blocks, c.block_size, c.enable_prefix_caching)
+    caches = CacheManagers(kv, StateCacheManager(plan.num_state_slots) if state_layers(specs) else None)
+    prompt_cache = _prompt_cache(c, caches, any(not isinstance(sp, AttentionSpec) for sp in specs))
+    stats = EngineStats()
+    scheduler = Scheduler(SchedulerConfig(
+        max_num_seqs=sch.max_num_seqs, max_num_batched_tokens=sch.max_num_batched_tokens,
+        long_prefill_token_threshold=sch.long_prefill_token_threshold,
+        prefill_interval_steps=sch.prefill_interval_steps,
+        event_driven_prefill_insert=sch.scheduler_event_driven_prefill_insert), caches, prompt_cache, stats,
+        max_model_len)
+    compile_mode = resolve_compile_mode(ex.compile_mode, platform.device)
+    if compile_mode != "none":
+        log.info("torch.compile: mode=%s fullgraph=%s, cache %s", compile_mode, ex.compile_fullgraph,
+                 use_inductor_cache_dir(ex.torchinductor_cache_dir))
+    runner = ModelRunner(model, caches, platform, specs, Sampler(m.seed, platform.device, argmax=ops.argmax),
+                         compile_mode=compile_mode, compile_fullgraph=ex.compile_fullgraph, decode_executor=executor,
+                         huge_pages=cpu.cpu_huge_pages)
+    floor = c.memory_release_min_free_mib if c.memory_release_min_free_mib >= 0 else c.min_free_memory_mib
+    memory = MemoryReleaser(kv, runner.kv_caches, prompt_cache, platform, c.kv_release_chunk_blocks,
+                            ReleasePolicy(c.memory_release_sweep_interval_s, floor, c.memory_release_max_gap_mib))
+    eos = frozenset(cfg.eos_token_ids or ([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []))
+    structured = StructuredOutputCompiler(tokenizer.to_json(), cfg.vocab_size, sorted(eos),
+                                          cache_size=m.structured_output_cache_size,
+                                          max_spec_bytes=m.structured_output_max_bytes)
+    sync_every = sch.scheduler_token_sync_every_steps or (1 if not platform.asynchronous else 8)
+    inputs = InputProcessor(tokenizer, cfg, max_model_len, eos, structured, sync_every, sampling_defaults)
+    return EngineParts(s, model_dir, is_demo, cfg, tokenizer, platform, dtype, act_dtype, max_model_len, profiler,
+                       ops, executor_name, compile_mode, plan, kv, caches, prompt_cache, stats, scheduler, runner,
+                       memory, inputs)
+
+
+def _sampling_defaults(where: str, model_dir: str) -> dict[str, Any]:
+    """The sampling parameters a request gets for the fields it leaves out, as vLLM takes them
+    from the model's generation_config.json (see the generation_config setting)."""
+    if where == "none":
+        return {}
+    folder = model_dir if where == "auto" else where
+    if where != "auto" and not Path(folder, "generation_config.json").is_file():
+        raise ValueError(f"generation_config: {folder} holds no generation_config.json")
+    defaults = load_generation_defaults(folder)
+    try:
+        SamplingParams(**defaults)
+    except ValueError as exc:
+        raise ValueError(f"generation_config: {folder}/generation_config.json: {exc}") from None
+    if defaults:
+        log.info("Default sampling parameters from %s/generation_config.json: %s (generation_config=none: "
+                 "Anna's own)", folder, ", ".join(f"{k}={v}" for k, v in defaults.items()))
+    return defaults
+
+
+def _prompt_cache(c: Any, caches: CacheManagers, has_state: bool) -> PromptCache:
+    """Resolve the exact prompt cache's auto values from the cache specs: it is on by default
+    where paged prefix sharing cannot serve repeated prompts, off where it can."""
+    size = c.prompt_cache_size if c.prompt_cache_size >= 0 else (0 if caches.shares_prefixes else 4)
+    why = ""
+    if size and has_state:  # its entries hold paged KV only
+        size, why = 0, " (off: it does not yet keep the per-sequence state of recurrent layers)"
+    on_by_default = c.prompt_cache_size < 0 and size > 0
+    max_tokens = c.prompt_cache_max_tokens if c.prompt_cache_max_tokens >= 0 else (2048 if on_by_default else 0)
+    log.info("Exact prompt cache: size=%d max_tokens=%d%s", size, max_tokens, why or ("" if size else " (off)"))
+    return PromptCache(size, max_tokens)

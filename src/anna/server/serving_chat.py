@@ -1,0 +1,149 @@
+"""POST /v1/chat/completions: messages -> the chat template -> tokens, one engine request, and
+the response as one JSON or an SSE stream (reasoning and tool calls split out per choice)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from anna.core.outputs import RequestOutput
+from anna.runtime.engine import LLMEngine
+from anna.server.chat import render_chat_request
+from anna.server.common import (ChoiceParser, ServerState, as_api_error, build_sampling_params, check_model,
+                                final_output, finish_reason, parse_body, run_until_done, sse, start_request,
+                                stream_usage, usage)
+from anna.server.constraints import after_reasoning, compile_constraint, forced_tool_constraint, request_constraint
+from anna.server.logprobs import chat_logprobs, vllm_prompt_logprobs
+from anna.server.protocol import APIError, ChatCompletionRequest, NamedToolChoice
+from anna.server.text_pool import TextPool
+
+
+async def chat_prompt_ids(pool: TextPool, engine: LLMEngine, req: Any, tools: list[dict[str, Any]] | None,
+                          truncate_prompt_tokens: int | None = None) -> list[int]:
+    """The chat template rendered and tokenized off the event loop: a long conversation would
+    otherwise pause every stream for as long as it takes."""
+    def work() -> list[int]:
+        ids = engine.tokenizer.encode(render_chat_request(engine.tokenizer, req, tools), add_special_tokens=False)
+        return engine.inputs.encode_prompt(ids, truncate_prompt_tokens)[1] if truncate_prompt_tokens else ids
+    return await pool.run(work)
+
+
+async def serve_chat(state: ServerState, request: Request) -> Response:
+    """POST /v1/chat/completions."""
+    req: ChatCompletionRequest = await parse_body(request, ChatCompletionRequest)
+    check_model(state, req.model)
+    engine = state.core
+    tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+    choice = req.tool_choice
+    if isinstance(choice, NamedToolChoice):
+        name = choice.function.name
+        if not tools or name not in {t["function"]["name"] for t in tools}:
+            raise APIError(400, f"tool_choice: function {name!r} is not among the tools", param="tool_choice")
+    elif choice not in (None, "none", "auto", "required"):
+        raise APIError(400, f"tool_choice: {choice!r} is not none, auto, required or a function",
+                       param="tool_choice")
+    elif choice == "required" and not tools:
+        raise APIError(400, "tool_choice: 'required' needs tools", param="tool_choice")
+    if choice == "none":
+        tools = None
+    if isinstance(choice, NamedToolChoice) or choice == "required":
+        forced = tools if choice == "required" else [t for t in tools if t["function"]["name"] == name]
+        spec, spec_field = forced_tool_constraint(forced, req.parallel_tool_calls and choice == "required",
+                                                  state.settings.tool_call_parser)
+    else:
+        spec, spec_field = request_constraint(req)
+    if spec is not None and state.settings.reasoning_parser != "none":
+        spec = after_reasoning(spec)
+    if req.top_logprobs and not req.logprobs:
+        raise APIError(400, "top_logprobs: needs logprobs set to true", param="top_logprobs")
+    ids = await chat_prompt_ids(state.prompt_pool, engine, req, tools, req.truncate_prompt_tokens)
+    top = (req.top_logprobs or 0) if req.logprobs else None
+    params = build_sampling_params(state, req, len(ids), req.max_completion_tokens or req.max_tokens, top, spec,
+                                   req.prompt_logprobs)
+    await compile_constraint(state.prompt_pool, engine, spec, spec_field)
+    rid = f"chatcmpl-{uuid.uuid4().hex}"
+    parse_tools = tools is not None
+    gen = await start_request(state, rid, ids, params)
+    base = {"id": rid, "created": int(time.time()), "model": state.model_name}
+    if req.stream:
+        return StreamingResponse(chat_stream(state, gen, base, params.n, len(ids), parse_tools,
+                                             *stream_usage(req.stream_options)),
+                                 media_type="text/event-stream")
+    out = await run_until_done(request, final_output(gen))
+    if out is None:
+        return Response(status_code=499)
+    choices = []
+    for o in out.outputs:
+        parser = ChoiceParser(state, parse_tools)
+        reasoning, content, _ = parser.feed(o.text, final=True)
+        message: dict[str, Any] = {"role": "assistant", "content": content if content or not parser.calls else None}
+        if parser.reasoning is not None:
+            message["reasoning_content"] = reasoning or None
+        if parser.calls:
+            message["tool_calls"] = [c.to_openai() for c in parser.calls]
+        choices.append({"index": o.index, "message": message, "finish_reason": finish_reason(o, parser),
+                        "logprobs": chat_logprobs(engine, o, 0, len(o.token_ids)),
+                        "stop_reason": o.stop_reason})
+        if req.prompt_logprobs is not None:
+            choices[-1]["prompt_logprobs"] = vllm_prompt_logprobs(engine, out)
+    completion = sum(len(o.token_ids) for o in out.outputs)
+    return JSONResponse({**base, "object": "chat.completion", "choices": choices,
+                         "usage": usage(len(ids), completion, out.num_cached_tokens)})
+
+
+async def chat_stream(state: ServerState, gen: AsyncIterator[RequestOutput], base: dict[str, Any], n: int,
+                      num_prompt: int, parse_tools: bool, include_usage: bool,
+                      continuous_usage: bool) -> AsyncIterator[str]:
+    engine = state.core
+    chunk = {**base, "object": "chat.completion.chunk"}
+    sent_tokens = [0] * n
+
+    def emit(index: int, delta: dict[str, Any], finish: str | None = None, logprobs: Any = None) -> str:
+        data = {**chunk, "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
+        if continuous_usage:  # this choice's tokens so far
+            data["usage"] = usage(num_prompt, sent_tokens[index], last.num_cached_tokens if last else 0)
+        return sse(data)
+
+    parsers = [ChoiceParser(state, parse_tools, stream=True) for _ in range(n)]
+    sent_text = [0] * n
+    done = [False] * n
+    last: RequestOutput | None = None
+    for i in range(n):
+        yield emit(i, {"role": "assistant", "content": ""})
+    try:
+        async for out in gen:
+            last = out
+            for o in out.outputs:
+                i = o.index
+                if done[i]:
+                    continue
+                final = o.finish_reason is not None
+                delta_text = o.text[sent_text[i]:]
+                sent_text[i] = len(o.text)
+                reasoning, content, calls = parsers[i].feed(delta_text, final)
+                logprobs = chat_logprobs(engine, o, sent_tokens[i], len(o.token_ids))
+                sent_tokens[i] = len(o.token_ids)
+                delta: dict[str, Any] = {}
+                if reasoning:
+                    delta["reasoning_content"] = reasoning
+                if content:
+                    delta["content"] = content
+                if calls:
+                    delta["tool_calls"] = calls
+                if delta or logprobs:
+                    yield emit(i, delta, logprobs=logprobs)
+                if final:
+                    done[i] = True
+                    yield emit(i, {}, finish_reason(o, parsers[i]))
+    except Exception as exc:  # the stream has started: report in-band, as OpenAI does
+        yield sse(as_api_error(exc).body())
+        yield "data: [DONE]\n\n"
+        return
+    if include_usage and last is not None:
+        completion = sum(len(o.token_ids) for o in last.outputs)
+        yield sse({**chunk, "choices": [], "usage": usage(num_prompt, completion, last.num_cached_tokens)})
+    yield "data: [DONE]\n\n"
