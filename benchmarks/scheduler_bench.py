@@ -18,12 +18,18 @@ from anna.core.sampling_params import SamplingParams
 from anna.runtime.kv_cache import KVCacheManager
 from anna.runtime.scheduler import Scheduler, SchedulerConfig
 
+try:
+    from anna.runtime.cache_managers import CacheManagers
+except ImportError:  # a checkout from before the cache managers: the scheduler takes the KV manager itself
+    def CacheManagers(kv):  # noqa: N802
+        return kv
+
 
 def step_time(running: int, steps: int, churn: int, prompt_len: int = 64) -> float:
     kv = KVCacheManager(num_blocks=running * 16, block_size=16, enable_prefix_caching=True)
     sched = Scheduler(SchedulerConfig(max_num_seqs=running, max_num_batched_tokens=running * prompt_len,
                                       long_prefill_token_threshold=prompt_len, prefill_interval_steps=1,
-                                      event_driven_prefill_insert=True), kv)
+                                      event_driven_prefill_insert=True), CacheManagers(kv))
     params = SamplingParams(temperature=0, max_tokens=10_000, ignore_eos=True)
     serial = iter(range(10**9))
 

@@ -110,7 +110,7 @@ class Platform:
     def build_ops(self, cpu: Any, quant: QuantFormat, profiler: Any, cache_dir: str = "~/.cache/anna") -> ModelOps:
         """The ops the model's layers are built with (``cpu``: the cpu settings section;
         ``cache_dir``: where compiled kernels are kept)."""
-        return ModelOps(quant, _routing(cpu), profiler)
+        return ModelOps(quant, linear_routing(cpu), profiler)
 
     def kernel_layout(self, ops: ModelOps) -> str:
         """The weight layout the ops read, part of the int4 cache key."""
@@ -128,7 +128,8 @@ class Platform:
         return getattr(torch, self.name)
 
 
-def _routing(cpu: Any) -> LinearRouting:
+def linear_routing(cpu: Any) -> LinearRouting:
+    """The matmul routing thresholds of the cpu settings section."""
     return LinearRouting(cpu.cpu_gemv_max_rows, cpu.cpu_upcast_min_rows, cpu.int4_matmul, cpu.int4_gemv_m_threshold)
 
 

@@ -14,7 +14,7 @@ import torch
 
 from anna.core.config import ResolvedSettings
 from anna.core.sampling_params import SamplingParams
-from anna.model.cache_spec import AttentionSpec, state_layers
+from anna.model.cache_spec import state_layers
 from anna.model.config import ModelConfig, load_generation_defaults, load_model_config
 from anna.model.ops import ModelOps, QuantFormat
 from anna.platforms import Platform, resolve_platform
@@ -114,7 +114,7 @@ def build_engine_parts(s: ResolvedSettings, show_progress: bool = True) -> Engin
     log.info(plan.describe(max_model_len))
     kv = KVCacheManager(plan.num_blocks, c.block_size, c.enable_prefix_caching)
     caches = CacheManagers(kv, StateCacheManager(plan.num_state_slots) if state_layers(specs) else None)
-    prompt_cache = _prompt_cache(c, caches, any(not isinstance(sp, AttentionSpec) for sp in specs))
+    prompt_cache = _prompt_cache(c, caches)
     stats = EngineStats()
     scheduler = Scheduler(SchedulerConfig(
         max_num_seqs=sch.max_num_seqs, max_num_batched_tokens=sch.max_num_batched_tokens,
@@ -162,12 +162,12 @@ def _sampling_defaults(where: str, model_dir: str) -> dict[str, Any]:
     return defaults
 
 
-def _prompt_cache(c: Any, caches: CacheManagers, has_state: bool) -> PromptCache:
-    """Resolve the exact prompt cache's auto values from the cache specs: it is on by default
+def _prompt_cache(c: Any, caches: CacheManagers) -> PromptCache:
+    """Resolve the exact prompt cache's auto values from the cache kinds: it is on by default
     where paged prefix sharing cannot serve repeated prompts, off where it can."""
     size = c.prompt_cache_size if c.prompt_cache_size >= 0 else (0 if caches.shares_prefixes else 4)
     why = ""
-    if size and has_state:  # its entries hold paged KV only
+    if size and caches.state is not None:  # its entries hold paged KV only
         size, why = 0, " (off: it does not yet keep the per-sequence state of recurrent layers)"
     on_by_default = c.prompt_cache_size < 0 and size > 0
     max_tokens = c.prompt_cache_max_tokens if c.prompt_cache_max_tokens >= 0 else (2048 if on_by_default else 0)

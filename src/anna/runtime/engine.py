@@ -319,7 +319,7 @@ class LLMEngine:
     def _probe(self) -> None:
         """One greedy token from a one-token prompt through the real runner, outside the queues."""
         req = Request("anna-probe", [0], SamplingParams(temperature=0.0, max_tokens=1))
-        caches = self.scheduler.kv
+        caches = self.scheduler.caches
         if not caches.allocate_slots(req, 1):
             return  # every block is in use by running requests: they show soon enough whether it works
         try:

@@ -4,11 +4,10 @@ happen (a few operations per step), read by the metrics endpoint and the periodi
 from __future__ import annotations
 
 import bisect
+import enum
 import logging
 from collections import Counter
 from dataclasses import dataclass, field
-
-from anna.runtime.scheduler import StepClass
 
 log = logging.getLogger(__name__)
 
@@ -17,6 +16,15 @@ LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0
 SPIKE_FACTOR = 3.0  # a step longer than this times its class's rolling mean is a spike
 EWMA_ALPHA = 0.1
 SPIKE_WARMUP_STEPS = 8  # steps of a class seen before spikes are judged
+
+
+class StepClass(enum.Enum):
+    """What a step ran, as the scheduler classifies it (steps are timed and counted per class)."""
+
+    PURE_DECODE = "pure"
+    PREFILL_INSERT = "+prefill_insert"  # decodes plus a newly admitted request's prefill
+    BUDGET_RECOMPUTE = "+budget_recompute"  # decodes plus a continuing prefill chunk or a recompute
+    PREFILL_ONLY = "prefill_only"
 
 
 @dataclass

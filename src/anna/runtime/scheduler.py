@@ -14,29 +14,18 @@ the output processor checks them and finishes the request here (``finish``).
 
 from __future__ import annotations
 
-import enum
 import time
 from collections import deque
 from dataclasses import dataclass, field
 
 import logging
-from typing import TYPE_CHECKING
 
 from anna.core.request import PENDING_TOKEN, Request, RequestStatus
 from anna.runtime.cache_managers import CacheManagers
+from anna.runtime.metrics import EngineStats, StepClass
 from anna.runtime.prompt_cache import PromptCache, PromptCacheEntry
 
-if TYPE_CHECKING:
-    from anna.runtime.metrics import EngineStats
-
 log = logging.getLogger(__name__)
-
-
-class StepClass(enum.Enum):
-    PURE_DECODE = "pure"
-    PREFILL_INSERT = "+prefill_insert"  # decodes plus a newly admitted request's prefill
-    BUDGET_RECOMPUTE = "+budget_recompute"  # decodes plus a continuing prefill chunk or a recompute
-    PREFILL_ONLY = "prefill_only"
 
 
 @dataclass
@@ -75,11 +64,9 @@ class TokenEvent:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, caches: CacheManagers, prompt_cache: PromptCache | None = None,
-                 stats: "EngineStats | None" = None, max_model_len: int = 1 << 62) -> None:
-        from anna.runtime.metrics import EngineStats  # (metrics names the scheduler's step classes)
-
+                 stats: EngineStats | None = None, max_model_len: int = 1 << 62) -> None:
         self.config = config
-        self.kv = caches  # the cache managers the scheduler allocates through (one per kind)
+        self.caches = caches  # the cache managers the scheduler allocates through (one per kind)
         self.prompt_cache = prompt_cache or PromptCache(0, 0)
         self.stats = stats or EngineStats()
         self.max_model_len = max_model_len
@@ -102,11 +89,11 @@ class Scheduler:
                 break
             except ValueError:
                 pass
-        self.kv.free(req)
+        self.caches.free(req)
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
-        self.kv.free(req)
+        self.caches.free(req)
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
@@ -132,7 +119,7 @@ class Scheduler:
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             if n > 1 and len(self.running) > 1:
                 n = min(n, cfg.long_prefill_token_threshold)
-            while not self.kv.allocate_slots(req, n):
+            while not self.caches.allocate_slots(req, n):
                 victim = self.running[-1]
                 self._preempt(victim)
                 batch.preempted.append(victim)
@@ -159,12 +146,12 @@ class Scheduler:
                         restore = self.prompt_cache.lookup(req.prompt_token_ids, count=first_admission)
                         num_cached = req.num_prompt_tokens - 1 if restore else 0
                     else:
-                        computed, num_cached = self.kv.get_computed_blocks(req)
+                        computed, num_cached = self.caches.get_computed_blocks(req)
                 n = min(req.num_tokens - num_cached, budget)
                 if num_decoding:
                     n = min(n, cfg.long_prefill_token_threshold)
                 req.num_computed_tokens = num_cached if restore else 0
-                if not self.kv.allocate_slots(req, n, computed):
+                if not self.caches.allocate_slots(req, n, computed):
                     req.num_computed_tokens = 0
                     break
                 self.waiting.popleft()
@@ -172,7 +159,7 @@ class Scheduler:
                     batch.restores.append((req, restore))
                 if first_admission:  # count the prefix lookup once per request
                     req.num_cached_tokens = num_cached
-                    self.kv.record_prefix_lookup(req, num_cached)
+                    self.caches.record_prefix_lookup(req, num_cached)
                     req.first_scheduled_time = time.monotonic()
                 req.num_computed_tokens = num_cached
                 req.status = RequestStatus.RUNNING

@@ -10,7 +10,7 @@ from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily, Hist
                                    Metric)
 
 from anna.runtime.engine import LLMEngine
-from anna.runtime.scheduler import StepClass
+from anna.runtime.metrics import StepClass
 
 
 class EngineCollector:

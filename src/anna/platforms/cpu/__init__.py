@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from anna.model.ops import ModelOps, QuantFormat
-from anna.platforms.base import GIB, KVBudget, MemoryInfo, Platform, _routing, no_graph_reason
+from anna.platforms.base import GIB, KVBudget, MemoryInfo, Platform, linear_routing, no_graph_reason
 
 log = logging.getLogger(__name__)
 
@@ -74,9 +74,6 @@ class CpuPlatform(Platform):
     def empty_cache(self) -> None:
         pass
 
-    def allocator_peak(self, run: Any) -> int:
-        raise NotImplementedError("the CPU platform does not profile activation peaks")
-
     def kv_budget(self, *, memory_utilization: float, reserve: int, workspace: int, enough: int) -> KVBudget:
         avail = self.memory_info().free
         steps = [f"host memory: {avail / GIB:.2f} GiB available; the KV budget is {KV_FRACTION:.0%} of it "
@@ -121,8 +118,8 @@ class CpuPlatform(Platform):
         kernels = build_cpu_kernels(cache_dir, cpu.cpu_kernel_compiler) if cpu.cpu_kernels else None
         log.info("CPU kernels: %s", f"Anna's (matmuls up to M={cpu.cpu_gemv_max_rows})" if kernels else "torch's")
         if kernels is None:
-            return CpuTorchOps(quant, _routing(cpu), profiler)
-        return CpuKernelOps(kernels, quant, _routing(cpu), profiler)
+            return CpuTorchOps(quant, linear_routing(cpu), profiler)
+        return CpuKernelOps(kernels, quant, linear_routing(cpu), profiler)
 
     def kernel_layout(self, ops: ModelOps) -> str:
         return "cpu-kernels" if ops.kernels is not None else "row-major"
