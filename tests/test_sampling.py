@@ -285,3 +285,38 @@ def test_bad_words_are_never_generated(llm):
     assert len(out) == 24 and not any(contains(out, seq) for seq in banned)
     with pytest.raises(ValueError, match="^bad_words: must be"):
         SamplingParams(bad_words=["ok", " "])
+
+
+def test_batched_sampling_gives_each_row_what_it_gets_alone():
+    """The sampler runs penalties, temperature, top-k, top-p and min-p as batched ops over the rows
+    that use them: a seeded or greedy row must get the token (and logprobs) it gets sampled alone."""
+    import torch
+
+    from anna.core.request import Request
+    from anna.runtime.sampler import Sampler
+
+    mixes = [dict(temperature=0.0), dict(temperature=0.8, top_p=0.9, top_k=50, seed=1),
+             dict(temperature=0.7, top_p=0.5, seed=2), dict(temperature=0.9, min_p=0.05, seed=3),
+             dict(temperature=0.0, repetition_penalty=1.3),
+             dict(temperature=0.8, top_p=0.9, repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=0.3,
+                  seed=4),
+             dict(temperature=1.0, top_k=7, logit_bias={5: 30.0}, seed=5),
+             dict(temperature=1.0, allowed_token_ids=[3, 9, 11], seed=6),
+             dict(temperature=0.6, min_tokens=5, stop_token_ids=[1, 2], seed=7), dict(temperature=0.5, logprobs=3, seed=8)]
+
+    def requests() -> list[Request]:
+        reqs = []
+        for i, kw in enumerate(mixes):
+            r = Request(f"r{i}", list(range(3, 40)), SamplingParams(max_tokens=64, **kw), eos_token_ids=frozenset([0]))
+            for j in range(4):
+                r.append_output_token((i * 13 + j * 7) % 500)
+            reqs.append(r)
+        return reqs
+
+    logits = torch.randn(len(mixes), 500, generator=torch.Generator().manual_seed(0)) * 4
+    batch = Sampler(0, torch.device("cpu"))(logits, requests())
+    for i, req in enumerate(requests()):
+        alone = Sampler(0, torch.device("cpu"))(logits[i:i + 1], [req])
+        assert alone.tokens.tolist() == [batch.tokens[i].item()], mixes[i]
+        assert alone.logprobs[0] == batch.logprobs[i]
+    assert not batch.failed

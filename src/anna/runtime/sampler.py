@@ -2,7 +2,8 @@
 
 Logprobs are reported from the raw model distribution (before penalties and temperature), as
 vLLM does. A request with a seed draws from its own generator, so its tokens do not depend on
-what else is in the batch.
+what else is in the batch. Each step reads the requests' parameters once into per-row tensors
+(``SamplingTensors``); the dense transforms run batched over the rows that use them.
 """
 
 from __future__ import annotations
@@ -54,7 +55,14 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SampleResult:
         """Sample one token per row. A row whose request cannot be sampled (its bans leave no
-        token, or its processing raises) is reported in ``failed`` and the other rows go on."""
+        token, or its processing raises) is reported in ``failed`` and the other rows go on.
+
+        The step's parameters are read once into per-row tensors (``SamplingTensors``) and
+        penalties, temperature, top-k, top-p and min-p run as batched tensor ops over the rows
+        that use them; what is sparse and per request (allowed tokens, bad words, logit bias, the
+        min_tokens bans, grammars) stays per row. Each batched op computes into a new tensor and
+        is written back in one assignment, so that when it raises it can run again row by row
+        without applying anything twice; draws stay per row, from each request's generator."""
         params = [r.sampling_params for r in requests]
         raw = logits
         if all(p.greedy and not _needs_processing(r) for p, r in zip(params, requests)) \
@@ -62,13 +70,21 @@ class Sampler:
             return SampleResult(self.argmax(logits), [None] * len(requests))
         logits = logits.clone()
         failed: dict[int, RequestError] = {}
+        t = SamplingTensors.of(requests, logits.device)
         constrained = [i for i, r in enumerate(requests) if r.grammar is not None]
         if constrained:  # before penalties, so that nothing can lift a forbidden token back
             _per_row(constrained, failed, lambda rows: apply_grammar_masks(
                 logits, rows, [requests[i].grammar for i in rows]))
+        kept: dict[int, torch.Tensor] = {}  # allowed tokens' logits, for a row whose bans then leave nothing
         for i, req in enumerate(requests):  # row by row: neither step may run twice on a row
-            if _needs_processing(req) and i not in failed:
-                _per_row([i], failed, lambda rows: _apply_penalties_and_bias(logits[rows[0]], requests[rows[0]]))
+            if _needs_sparse_processing(req) and i not in failed:
+                _per_row([i], failed, lambda rows: _apply_bias(logits[rows[0]], requests[rows[0]], kept, rows[0]))
+        penalized = [i for i in t.penalized if i not in failed]
+        if penalized:
+            _per_row(penalized, failed, lambda rows: _apply_penalties(logits, rows, requests, t))
+        for i, req in enumerate(requests):
+            if req.num_output_tokens < req.sampling_params.min_tokens and i not in failed:
+                _per_row([i], failed, lambda rows: _ban_stops(logits[rows[0]], requests[rows[0]], kept.get(rows[0])))
         if constrained:  # the grammar wins where penalties (min_tokens' EOS ban) left it no token
             dead = [i for i, top in zip(constrained, logits[constrained].max(dim=-1).values.tolist())
                     if top == float("-inf") and i not in failed]
@@ -80,15 +96,28 @@ class Sampler:
             if i not in failed and not top > float("-inf"):  # -inf: nothing left; nan: broken logits
                 failed[i] = _unsamplable(requests[i]) if top == float("-inf") else RequestError(
                     "the model produced non-finite logits for this request")
-        finite_max = torch.finfo(logits.dtype).max
         tokens = torch.zeros(len(requests), dtype=torch.long, device=logits.device)
+        greedy = [i for i in range(len(requests)) if params[i].greedy and i not in failed]
+        if greedy:
+            def argmax(rows: list[int]) -> None:
+                tokens[rows] = logits[rows].argmax(dim=-1)
+            _per_row(greedy, failed, argmax)
+        sampled = [i for i in range(len(requests)) if not params[i].greedy and i not in failed]
+        probs: dict[int, torch.Tensor] = {}
 
-        def sample(rows: list[int]) -> None:
-            tokens[rows[0]] = self._sample_row(logits[rows[0]], requests[rows[0]], finite_max)
+        def distributions(rows: list[int]) -> None:
+            for i, row in zip(rows, _probabilities(logits, rows, t)):
+                probs[i] = row
 
-        for i in range(len(requests)):
+        _per_row(sampled, failed, distributions)
+
+        def draw(rows: list[int]) -> None:
+            i = rows[0]
+            tokens[i] = torch.multinomial(probs[i], 1, generator=self._generator(requests[i]))[0]
+
+        for i in sampled:
             if i not in failed:
-                _per_row([i], failed, sample)
+                _per_row([i], failed, draw)
         logprobs: list[tuple[float, list[tuple[int, float]]] | None] = [None] * len(requests)
         want = [i for i, p in enumerate(params) if p.logprobs is not None and i not in failed]
         if want:
@@ -102,26 +131,70 @@ class Sampler:
             _per_row(want, failed, fill)
         return SampleResult(tokens, logprobs, failed)
 
-    def _sample_row(self, row: torch.Tensor, req: Request, finite_max: float) -> torch.Tensor:
-        p = req.sampling_params
-        if p.greedy:
-            return row.argmax()
-        # a penalty or a low temperature may push a logit past the float range (repetition_penalty
-        # near 0): clip it to the largest finite value, so that softmax stays defined and the token
-        # stays the favourite
-        row = (row / p.temperature).clamp_(max=finite_max)
-        if p.top_k > 0 and p.top_k < row.shape[-1]:
-            kth = torch.topk(row, p.top_k).values[-1]
-            row = row.masked_fill(row < kth, float("-inf"))
-        probs = torch.softmax(row, dim=-1)
-        if p.top_p < 1.0:
-            sorted_probs, order = probs.sort(descending=True)
-            cum = sorted_probs.cumsum(-1)
-            drop = (cum - sorted_probs) > p.top_p  # keep the smallest set reaching top_p
-            probs = probs.scatter(0, order, sorted_probs.masked_fill(drop, 0.0))
-        if p.min_p > 0.0:
-            probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
-        return torch.multinomial(probs, 1, generator=self._generator(req))[0]
+
+@dataclass
+class SamplingTensors:
+    """The step's sampling parameters, one entry per row, read once from the requests."""
+
+    temperature: torch.Tensor  # [rows] (1 for greedy rows, which never use it)
+    top_k: torch.Tensor  # [rows] long, 0 = off
+    top_p: torch.Tensor  # [rows]
+    min_p: torch.Tensor  # [rows]
+    repetition_penalty: torch.Tensor  # [rows]
+    presence_penalty: torch.Tensor  # [rows]
+    frequency_penalty: torch.Tensor  # [rows]
+    penalized: list[int]  # rows with any of the three penalties
+
+    @classmethod
+    def of(cls, requests: list[Request], device: torch.device) -> "SamplingTensors":
+        ps = [r.sampling_params for r in requests]
+
+        def column(values: list, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        return cls(column([1.0 if p.greedy else p.temperature for p in ps]), column([p.top_k for p in ps], torch.long),
+                   column([p.top_p for p in ps]), column([p.min_p for p in ps]),
+                   column([p.repetition_penalty for p in ps]), column([p.presence_penalty for p in ps]),
+                   column([p.frequency_penalty for p in ps]),
+                   [i for i, p in enumerate(ps)
+                    if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty])
+
+
+def _probabilities(logits: torch.Tensor, rows: list[int], t: SamplingTensors) -> torch.Tensor:
+    """The distributions to draw from for these (sampled) rows: temperature, top-k, softmax, top-p,
+    min-p, each over the rows that use it."""
+    idx = torch.tensor(rows, dtype=torch.long, device=logits.device)
+    # a penalty or a low temperature may push a logit past the float range (repetition_penalty
+    # near 0): clip it to the largest finite value, so that softmax stays defined and the token
+    # stays the favourite
+    scaled = (logits[idx] / t.temperature[idx, None]).clamp_(max=torch.finfo(logits.dtype).max)
+    vocab = scaled.shape[-1]
+    top_k = t.top_k[idx]
+    use_k = ((top_k > 0) & (top_k < vocab)).nonzero().flatten()  # (tokens past a row's k then have probability 0)
+    if use_k.numel():
+        k = top_k[use_k]
+        kth = torch.topk(scaled[use_k], int(k.max())).values.gather(1, (k - 1)[:, None])
+        scaled[use_k] = scaled[use_k].masked_fill(scaled[use_k] < kth, float("-inf"))
+    probs = torch.softmax(scaled, dim=-1)
+    top_p = t.top_p[idx]
+    with_k = (top_k > 0) & (top_k < vocab)
+    for use_p in ((top_p < 1.0) & with_k, (top_p < 1.0) & ~with_k):
+        use_p = use_p.nonzero().flatten()
+        if not use_p.numel():
+            continue
+        sub = probs[use_p]
+        if bool(with_k[use_p[0]]):  # only the top-k tokens have any probability left: order those alone
+            sorted_probs, order = sub.topk(int(top_k[use_p].max()), dim=-1)
+        else:
+            sorted_probs, order = sub.sort(dim=-1, descending=True)
+        drop = (sorted_probs.cumsum(-1) - sorted_probs) > top_p[use_p, None]  # keep the smallest set reaching top_p
+        probs[use_p] = torch.zeros_like(sub).scatter(1, order, sorted_probs.masked_fill(drop, 0.0))
+    min_p = t.min_p[idx]
+    use_min = (min_p > 0.0).nonzero().flatten()
+    if use_min.numel():
+        sub = probs[use_min]
+        probs[use_min] = sub.masked_fill(sub < min_p[use_min, None] * sub.max(dim=-1, keepdim=True).values, 0.0)
+    return probs
 
 
 def _per_row(rows: list[int], failed: dict[int, RequestError], fn: Callable[[list[int]], None]) -> None:
@@ -171,14 +244,21 @@ def _needs_processing(req: Request) -> bool:
                 or req.num_output_tokens < p.min_tokens)
 
 
-def _apply_penalties_and_bias(row: torch.Tensor, req: Request) -> None:
+def _needs_sparse_processing(req: Request) -> bool:
+    p = req.sampling_params
+    return bool(p.logit_bias or p.allowed_token_ids or req.bad_word_ids)
+
+
+def _apply_bias(row: torch.Tensor, req: Request, kept: dict[int, torch.Tensor], i: int) -> None:
+    """allowed_token_ids, bad_words and logit_bias on one row, in place (``kept[i]``: the allowed
+    tokens' logits, which win back if the min_tokens bans would leave nothing)."""
     p = req.sampling_params
     device = row.device
     if p.allowed_token_ids:
         allowed = torch.tensor(p.allowed_token_ids, dtype=torch.long, device=device)
-        kept = row[allowed]
+        kept[i] = row[allowed]
         row.fill_(float("-inf"))
-        row[allowed] = kept
+        row[allowed] = kept[i]
     if req.bad_word_ids:  # a word's last token is banned where the output ends with the rest of it
         out = req.output_token_ids
         banned_words = {seq[-1] for seq in req.bad_word_ids
@@ -189,18 +269,40 @@ def _apply_penalties_and_bias(row: torch.Tensor, req: Request) -> None:
         ids = torch.tensor(list(p.logit_bias), dtype=torch.long, device=device)
         vals = torch.tensor(list(p.logit_bias.values()), device=device)
         row.index_add_(0, ids, vals.to(row.dtype))
-    if p.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(req.all_token_ids)), dtype=torch.long, device=device)
-        vals = row[seen]
-        row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
-    if (p.presence_penalty or p.frequency_penalty) and req.output_token_ids:
-        counts = torch.bincount(torch.tensor(req.output_token_ids, device=device), minlength=row.shape[0])
-        counts = counts[:row.shape[0]].to(row.dtype)
-        row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
-    if req.num_output_tokens < p.min_tokens:
-        banned = [t for t in set(p.stop_token_ids) | (set() if p.ignore_eos else set(req.eos_token_ids))
-                  if 0 <= t < row.shape[0]]
-        if banned:
-            row[torch.tensor(banned, dtype=torch.long, device=device)] = float("-inf")
-        if p.allowed_token_ids and bool(torch.isneginf(row).all()):  # only banned tokens were allowed: they win
-            row[allowed] = kept
+
+
+def _apply_penalties(logits: torch.Tensor, rows: list[int], requests: list[Request], t: SamplingTensors) -> None:
+    """Repetition (over prompt and output), presence and frequency penalties (over the output) of
+    these rows, as batched ops: computed into a new tensor, written back in one assignment."""
+    device = logits.device
+    idx = torch.tensor(rows, dtype=torch.long, device=device)
+    sub = logits[idx]
+    rep = t.repetition_penalty[idx, None]
+    seen_r, seen_c = _row_tokens([sorted(set(requests[i].all_token_ids)) for i in rows], device)
+    seen = torch.zeros_like(sub, dtype=torch.bool)
+    seen[seen_r, seen_c] = True
+    sub = torch.where(seen & (rep != 1.0), torch.where(sub > 0, sub / rep, sub * rep), sub)
+    out_r, out_c = _row_tokens([requests[i].output_token_ids for i in rows], device)
+    counts = torch.zeros_like(sub).index_put_((out_r, out_c), torch.ones_like(out_c, dtype=sub.dtype),
+                                              accumulate=True)
+    sub = sub - (t.frequency_penalty[idx, None] * counts + t.presence_penalty[idx, None] * (counts > 0).to(sub.dtype))
+    logits[idx] = sub
+
+
+def _row_tokens(per_row: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row index, token id) pairs of every token of every row, as two flat tensors."""
+    rows = [r for r, ids in enumerate(per_row) for _ in ids]
+    cols = [t for ids in per_row for t in ids]
+    return (torch.tensor(rows, dtype=torch.long, device=device), torch.tensor(cols, dtype=torch.long, device=device))
+
+
+def _ban_stops(row: torch.Tensor, req: Request, kept: torch.Tensor | None) -> None:
+    """Under min_tokens: EOS and the stop token ids may not be sampled yet."""
+    p = req.sampling_params
+    device = row.device
+    banned = [t for t in set(p.stop_token_ids) | (set() if p.ignore_eos else set(req.eos_token_ids))
+              if 0 <= t < row.shape[0]]
+    if banned:
+        row[torch.tensor(banned, dtype=torch.long, device=device)] = float("-inf")
+    if p.allowed_token_ids and kept is not None and bool(torch.isneginf(row).all()):  # only banned tokens were allowed: they win
+        row[torch.tensor(p.allowed_token_ids, dtype=torch.long, device=device)] = kept
