@@ -40,6 +40,7 @@ class Platform:
     differs there (host memory, Anna's kernels, huge pages)."""
 
     name = "base"
+    auto_compile_mode = "none"  # what --compile-mode auto means here: no GPU measurement has said otherwise yet
     measures_activation_peak = True  # the KV plan subtracts a profile run's peak from device memory
     pages_on_demand = False  # cache memory is committed as it is written and can be handed back by range
     activation_reserve = 1 * GIB  # headroom when no profile run measured the peak
@@ -105,6 +106,10 @@ class Platform:
 
     def place_weights(self, model: torch.nn.Module, huge_pages: bool) -> None:
         """After loading: move the weights where this device serves them best (nothing here)."""
+
+    def capability(self) -> str:
+        """What the device can run, as far as a cached weight layout depends on it."""
+        return self.name
 
     # ---- execution ----
     def build_ops(self, cpu: Any, quant: QuantFormat, profiler: Any, cache_dir: str = "~/.cache/anna") -> ModelOps:

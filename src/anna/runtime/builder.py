@@ -19,7 +19,7 @@ from anna.model.config import ModelConfig, load_generation_defaults, load_model_
 from anna.model.ops import ModelOps, QuantFormat
 from anna.platforms import Platform, resolve_platform
 from anna.runtime.cache_managers import CacheManagers
-from anna.runtime.compilation import resolve_compile_mode, use_inductor_cache_dir
+from anna.runtime.compilation import use_inductor_cache_dir
 from anna.runtime.input_processor import InputProcessor
 from anna.runtime.kv_cache import KVCacheManager
 from anna.runtime.memory import (CachePlan, module_bytes, plan_caches, profile_activation_peak, profile_decode_peak,
@@ -122,13 +122,13 @@ def build_engine_parts(s: ResolvedSettings, show_progress: bool = True) -> Engin
         prefill_interval_steps=sch.prefill_interval_steps,
         event_driven_prefill_insert=sch.scheduler_event_driven_prefill_insert), caches, prompt_cache, stats,
         max_model_len)
-    compile_mode = resolve_compile_mode(ex.compile_mode, platform.device)
+    compile_mode = platform.auto_compile_mode if ex.compile_mode == "auto" else ex.compile_mode
     if compile_mode != "none":
         log.info("torch.compile: mode=%s fullgraph=%s, cache %s", compile_mode, ex.compile_fullgraph,
                  use_inductor_cache_dir(ex.torchinductor_cache_dir))
     runner = ModelRunner(model, caches, platform, specs, Sampler(m.seed, platform.device, argmax=ops.argmax),
                          compile_mode=compile_mode, compile_fullgraph=ex.compile_fullgraph, decode_executor=executor,
-                         huge_pages=cpu.cpu_huge_pages)
+                         huge_pages=cpu.cpu_huge_pages, profiler=profiler)
     floor = c.memory_release_min_free_mib if c.memory_release_min_free_mib >= 0 else c.min_free_memory_mib
     memory = MemoryReleaser(kv, runner.kv_caches, prompt_cache, platform, c.kv_release_chunk_blocks,
                             ReleasePolicy(c.memory_release_sweep_interval_s, floor, c.memory_release_max_gap_mib))

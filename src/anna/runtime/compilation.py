@@ -1,8 +1,8 @@
 """torch.compile of the forward pass: which mode, where its cache lives, falling back to eager
 when compilation fails. (What ``--decode-executor`` means is each platform's: platforms/.)
 
-``auto`` resolves per device type to what measured fastest (docs/BENCHMARKS.md, "Compiled
-forward"): on CPU that is eager, because decode-only steps run Anna's fused C kernels, which
+``auto`` resolves per platform (``Platform.auto_compile_mode``) to what measured fastest
+(docs/BENCHMARKS.md, "Compiled forward"): on CPU that is eager, because decode-only steps run Anna's fused C kernels, which
 torch.compile cannot see into, and the compile itself costs tens of seconds per new shape class.
 No GPU measurement has been made yet, so ``auto`` stays eager on CUDA and XPU too; ``default``,
 ``reduce-overhead`` and ``max-autotune`` ask for compilation explicitly.
@@ -18,13 +18,6 @@ from typing import Any, Callable
 import torch
 
 log = logging.getLogger(__name__)
-
-AUTO_MODE = {"cpu": "none", "cuda": "none", "xpu": "none"}
-
-
-def resolve_compile_mode(mode: str, device: torch.device) -> str:
-    return AUTO_MODE.get(device.type, "none") if mode == "auto" else mode
-
 
 def use_inductor_cache_dir(path: str) -> str:
     """Point torch's compile cache at ``path`` (the resolved setting) for this process."""

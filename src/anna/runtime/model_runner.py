@@ -9,6 +9,7 @@ forward, eager or compiled.
 from __future__ import annotations
 
 import logging
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -80,11 +81,12 @@ def allocate_caches(specs: list[CacheSpec], platform: Platform, *, num_blocks: i
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, caches: CacheManagers, platform: Platform, specs: list[CacheSpec],
                  sampler: Sampler, *, compile_mode: str = "none", compile_fullgraph: bool = False,
-                 decode_executor: Any = None, huge_pages: bool = False) -> None:
+                 decode_executor: Any = None, huge_pages: bool = False, profiler: Any = None) -> None:
         """``decode_executor``: the platform's executor of decode-only steps, or None (eager); it may
         ask for spare KV blocks (CUDA graphs' padded rows write into one). ``huge_pages``: on CPU,
         the caches live on transparent huge pages (platforms/cpu/host_memory.py)."""
         self.model = model
+        self.profiler = profiler  # --profile-runtime: sampling is one of its regions
         self.model_forward = model.forward if compile_mode == "none" else \
             CompiledForward(model.forward, compile_mode, compile_fullgraph)
         self.caches = caches
@@ -224,7 +226,7 @@ class ModelRunner:
         rows = torch.tensor([inputs.logits_indices[pos] for pos, _ in sampling], device=self.device)
         logits = self.model.compute_logits(hidden[rows])
         reqs = [r for _, r in sampling]
-        with self.model.lm_head.ops.region("sampling"):
+        with nullcontext() if self.profiler is None else self.profiler.region("sampling"):
             result: SampleResult = self.sampler(logits, reqs)
         for i, error in result.failed.items():
             failed[reqs[i].request_id] = error

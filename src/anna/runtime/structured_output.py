@@ -125,7 +125,6 @@ def apply_grammar_masks(logits: torch.Tensor, rows: list[int], matchers: list[An
         matcher.unsafe_compute_mask_ptr(bitmask[k].data_ptr(), words * 4)
     allowed = ((bitmask.unsqueeze(-1) >> _SHIFTS) & 1).view(len(rows), words * 32)[:, :vocab].bool()
     index = torch.tensor(rows, dtype=torch.long)
-    if logits.device.type != "cpu":
-        allowed, index = allowed.to(logits.device, non_blocking=True), index.to(logits.device)
+    allowed, index = allowed.to(logits.device, non_blocking=True), index.to(logits.device)  # (no-op on CPU)
     logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
 

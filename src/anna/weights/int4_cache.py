@@ -32,16 +32,10 @@ FORMAT_VERSION = 3  # 2: entries hold the kernels' layout; 3: fp16 group scales
 MANIFEST = "manifest.json"
 
 
-def device_capability(device: torch.device) -> str:
-    if device.type == "cuda":
-        major, minor = torch.cuda.get_device_capability(device)
-        return f"cuda-sm{major}{minor}"
-    return f"{device.type}-{torch.backends.cpu.get_cpu_capability()}"
-
-
-def cache_key(files: list[Path], group: int, device: torch.device, layout: str) -> str:
+def cache_key(files: list[Path], group: int, device: str, layout: str) -> str:
+    """``device``: the platform's ``capability()`` (an entry is only read where it was written)."""
     ident = {"format": FORMAT_VERSION, "group": group, "torch": torch.__version__,
-             "device": device_capability(device), "layout": layout,
+             "device": device, "layout": layout,
              "files": [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files]}
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:24]
 

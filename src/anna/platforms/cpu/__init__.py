@@ -48,7 +48,7 @@ _LIBC = _libc()
 
 
 class CpuPlatform(Platform):
-    name = "cpu"
+    name = "cpu"  # auto_compile_mode stays none: the fused C decode stack is what torch.compile cannot see into
     measures_activation_peak = False  # the KV budget is a share of RAM, not what activations leave over
     pages_on_demand = True
 
@@ -120,6 +120,9 @@ class CpuPlatform(Platform):
         if kernels is None:
             return CpuTorchOps(quant, linear_routing(cpu), profiler)
         return CpuKernelOps(kernels, quant, linear_routing(cpu), profiler)
+
+    def capability(self) -> str:
+        return f"cpu-{torch.backends.cpu.get_cpu_capability()}"
 
     def kernel_layout(self, ops: ModelOps) -> str:
         return "cpu-kernels" if ops.kernels is not None else "row-major"

@@ -16,6 +16,10 @@ log = logging.getLogger(__name__)
 class CudaPlatform(Platform):
     name = "cuda"
 
+    def capability(self) -> str:
+        major, minor = torch.cuda.get_device_capability(self.device)
+        return f"cuda-sm{major}{minor}"
+
     def decode_executor(self, choice: str, model: torch.nn.Module, ops: ModelOps, *, profiling: bool,
                         max_num_seqs: int, max_model_len: int, block_size: int) -> Any:
         """Captured graphs when asked for (auto stays eager until a GPU measurement says otherwise)."""
