@@ -26,6 +26,9 @@ VOCAB = 800  # >= the demo tokenizer's vocabulary
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6)
 
+HYBRID = dict(num_hidden_layers=4, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
+              linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4)
+
 ARCH_CONFIGS = {
     "llama3": ("LlamaConfig", "LlamaForCausalLM", dict(
         rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -43,6 +46,14 @@ ARCH_CONFIGS = {
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
         num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32, norm_topk_prob=True, head_dim=32,
         tie_word_embeddings=False)),
+    # hybrid: Gated DeltaNet layers 0-2, gated full attention in layer 3; 2 key heads serve 4 value heads
+    "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", dict(HYBRID, tie_word_embeddings=True)),
+    "qwen3_5_moe": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", dict(
+        HYBRID, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+        tie_word_embeddings=False)),
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", dict(
+        HYBRID, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+        mlp_only_layers=[1], norm_topk_prob=False, tie_word_embeddings=False)),
 }
 
 

@@ -14,7 +14,7 @@ def run_logits(engine: LLMEngine, prompt: list[int], decode_steps: int, chunks: 
     """Prefill ``prompt`` (in the given chunk sizes), then decode greedily. Returns the logits of
     every position [len(prompt) + decode_steps, vocab] and the greedy tokens."""
     req = Request(request_id, list(prompt), SamplingParams(max_tokens=decode_steps + 1, temperature=0.0))
-    runner, kv = engine.runner, engine.kv
+    runner, caches = engine.runner, engine.runner.caches  # every cache kind: KV blocks and state slots
     chunks = list(chunks or [len(prompt)])
     assert sum(chunks) == len(prompt)
     logits, tokens = [], []
@@ -22,7 +22,7 @@ def run_logits(engine: LLMEngine, prompt: list[int], decode_steps: int, chunks: 
         for n in chunks + [1] * decode_steps:
             if n == 1 and req.num_computed_tokens == req.num_tokens:
                 req.append_output_token(tokens[-1])
-            assert kv.allocate_slots(req, n)
+            assert caches.allocate_slots(req, n)
             inputs = runner.prepare([req], [n])
             hidden = runner.forward(inputs)
             with torch.inference_mode():
@@ -32,7 +32,7 @@ def run_logits(engine: LLMEngine, prompt: list[int], decode_steps: int, chunks: 
             if req.num_computed_tokens == req.num_tokens:
                 tokens.append(int(step_logits[-1].argmax()))
     finally:
-        kv.free(req)
+        caches.free(req)
     return torch.cat(logits), tokens
 
 

@@ -1,7 +1,9 @@
 """The parts of a Hugging Face config.json that the model code needs, in one typed object.
 
 Both config forms are read: transformers 4.x (``rope_theta`` + ``rope_scaling``) and 5.x
-(``rope_parameters`` holding the theta and the scaling together).
+(``rope_parameters`` holding the theta and the scaling together). Vision-language wrappers
+(Qwen3.5's ``*ForConditionalGeneration``) nest the text model's config in ``text_config``; its
+fields are read as if they were at the top level.
 """
 
 from __future__ import annotations
@@ -42,7 +44,13 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     moe: MoeConfig | None = None  # a mixture-of-experts model
+    linear_attention: LinearAttentionConfig | None = None  # a hybrid model (Gated DeltaNet + full attention)
+    rotary_dim: int = 0  # dimensions of each head that rotary rotates (partial_rotary_factor); 0: all
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @property
+    def rope_dim(self) -> int:
+        return self.rotary_dim or self.head_dim
 
 
 @dataclass(frozen=True)
@@ -55,6 +63,33 @@ class MoeConfig:
     renormalize: bool  # the top-k routing weights are rescaled to sum to 1 (Mixtral; norm_topk_prob)
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE: a dense expert every token takes, sigmoid-gated
     sparse_layers: tuple[bool, ...] = ()  # per layer: experts (True) or a dense MLP (False)
+
+
+@dataclass(frozen=True)
+class LinearAttentionConfig:
+    """The Gated DeltaNet layers of a hybrid model (Qwen3.5, Qwen3.5-MoE, Qwen3-Next)."""
+
+    layer_types: tuple[str, ...]  # per layer: "linear_attention" or "full_attention"
+    num_key_heads: int
+    num_value_heads: int  # a multiple of num_key_heads: each key head serves consecutive value heads
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel: int  # of the depthwise causal conv1d over q, k and v
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_key_heads * self.key_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_value_heads * self.value_head_dim
+
+    @property
+    def conv_dim(self) -> int:  # channels of the conv: q, k and v
+        return 2 * self.key_dim + self.value_dim
+
+
+LAYER_TYPES = ("linear_attention", "full_attention")
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -103,6 +138,9 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         raise ModelLoadError(f"{model_dir}: model directory not found")
     path = model_dir / "config.json"
     cfg = _read_json(path)
+    if isinstance(cfg.get("text_config"), dict):  # a vision-language wrapper: serve its text model
+        cfg = {**{k: v for k, v in cfg.items() if k != "text_config"}, **cfg["text_config"],
+               "architectures": cfg.get("architectures")}
     archs = cfg.get("architectures") or []
     arch = next((a for a in archs if a in ARCHITECTURES), None)
     if arch is None:
@@ -117,9 +155,13 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         return cfg[key]
 
     rope = cfg.get("rope_parameters")
+    partial_rotary = float(cfg.get("partial_rotary_factor", 1.0))
     if isinstance(rope, dict):  # transformers 5.x form
         rope_theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
-        rope_scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+        partial_rotary = float(rope.get("partial_rotary_factor", partial_rotary))
+        # (mrope_section / mrope_interleaved: with text positions MRoPE is plain RoPE)
+        rope_scaling = {k: v for k, v in rope.items()
+                        if k not in ("rope_theta", "partial_rotary_factor", "mrope_section", "mrope_interleaved")}
     else:
         rope_theta = float(cfg.get("rope_theta", 10000.0))
         rope_scaling = cfg.get("rope_scaling")
@@ -145,7 +187,12 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
     attention_bias = bool(cfg.get("attention_bias", False))
     num_layers = int(need("num_hidden_layers"))
     intermediate = int(need("intermediate_size"))
-    moe = _moe_config(cfg, num_layers, intermediate, path) if family.moe else None
+    moe = _moe_config(cfg, num_layers, intermediate, path, family.moe_always_renormalizes) if family.moe else None
+    linear = _linear_attention_config(cfg, num_layers, path) if family.hybrid else None
+    rotary_dim = int(int(head_dim) * partial_rotary) if partial_rotary != 1.0 else 0
+    if rotary_dim % 2 or rotary_dim < 0 or rotary_dim > int(head_dim):
+        raise ModelLoadError(f"{path}: partial_rotary_factor={partial_rotary} gives {rotary_dim} rotary dimensions "
+                             f"of head_dim {head_dim} (need an even number from 2 to head_dim)")
     return ModelConfig(
         architecture=arch,
         model_type=str(cfg.get("model_type", "")),
@@ -171,11 +218,36 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=eos,
         moe=moe,
+        linear_attention=linear,
+        rotary_dim=rotary_dim,
         raw=cfg,
     )
 
 
-def _moe_config(cfg: dict[str, Any], num_layers: int, intermediate: int, path: Path) -> MoeConfig:
+def _linear_attention_config(cfg: dict[str, Any], num_layers: int, path: Path) -> LinearAttentionConfig:
+    """Which layers are Gated DeltaNet (``layer_types``; without it every
+    ``full_attention_interval``-th layer, by default the fourth, is full attention) and their shapes."""
+    types = cfg.get("layer_types")
+    if types is None:
+        interval = int(cfg.get("full_attention_interval") or 4)
+        types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(num_layers)]
+    if len(types) != num_layers or any(t not in LAYER_TYPES for t in types):
+        raise ModelLoadError(f"{path}: layer_types must list {num_layers} entries, each one of {', '.join(LAYER_TYPES)}")
+    try:
+        linear = LinearAttentionConfig(
+            layer_types=tuple(types), num_key_heads=int(cfg["linear_num_key_heads"]),
+            num_value_heads=int(cfg["linear_num_value_heads"]), key_head_dim=int(cfg["linear_key_head_dim"]),
+            value_head_dim=int(cfg["linear_value_head_dim"]), conv_kernel=int(cfg["linear_conv_kernel_dim"]))
+    except KeyError as exc:
+        raise ModelLoadError(f"{path}: missing required field {exc.args[0]!r} of the linear-attention layers") from None
+    if linear.num_key_heads < 1 or linear.num_value_heads % linear.num_key_heads or linear.conv_kernel < 1:
+        raise ModelLoadError(f"{path}: linear_num_value_heads ({linear.num_value_heads}) must be a multiple of "
+                             f"linear_num_key_heads ({linear.num_key_heads}), and linear_conv_kernel_dim >= 1")
+    return linear
+
+
+def _moe_config(cfg: dict[str, Any], num_layers: int, intermediate: int, path: Path,
+                always_renormalizes: bool = False) -> MoeConfig:
     """The expert count is ``num_experts`` (Qwen) or ``num_local_experts`` (Mixtral, and what
     transformers 5 writes for all). Which layers have experts follows transformers: every
     ``decoder_sparse_step``-th layer that ``mlp_only_layers`` does not list."""
@@ -189,6 +261,7 @@ def _moe_config(cfg: dict[str, Any], num_layers: int, intermediate: int, path: P
     return MoeConfig(
         num_experts=num_experts, top_k=top_k,
         intermediate_size=int(cfg.get("moe_intermediate_size") or intermediate),
-        renormalize=bool(cfg.get("norm_topk_prob", True)),  # Mixtral has no such key and always renormalizes
+        # (Mixtral has no such key and always renormalizes; so does Qwen3.5-MoE, whatever its config says)
+        renormalize=always_renormalizes or bool(cfg.get("norm_topk_prob", True)),
         shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0),
         sparse_layers=tuple(i not in dense and (i + 1) % step == 0 for i in range(num_layers)))

@@ -14,6 +14,8 @@ from anna.model.ops import TORCH_OPS, ModelOps
 
 
 class RMSNorm(nn.Module):
+    weight_offset = 0.0  # added to the checkpoint's weight at load time
+
     def __init__(self, dim: int, eps: float, dtype: torch.dtype, ops: ModelOps = TORCH_OPS) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype), requires_grad=False)
@@ -24,6 +26,16 @@ class RMSNorm(nn.Module):
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """norm(x); with a residual stream: residual += x, return (norm(residual), residual)."""
         return self.ops.add_rmsnorm(x, residual, self.weight, self.eps)
+
+
+class ZeroCenteredRMSNorm(RMSNorm):
+    """Qwen3.5 / Qwen3-Next's norm: the checkpoint holds w and the output is norm(x) * (1 + w). The
+    weight is stored as 1 + w in fp32 (in bf16, 1 + w would round small w to steps of 1/128)."""
+
+    weight_offset = 1.0
+
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype, ops: ModelOps = TORCH_OPS) -> None:
+        super().__init__(dim, eps, torch.float32, ops)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:

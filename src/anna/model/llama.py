@@ -6,25 +6,23 @@ flattened new tokens of a batch and returns their hidden states; ``compute_logit
 hidden states of the positions that get sampled to logits. What each layer keeps between steps
 is declared by ``cache_specs`` (paged KV for every layer here). Device-specific work goes through
 the ``ModelOps`` the platform chose (model/ops.py); the CPU platform's fused decode stack runs
-this family's decode-only steps in one C call (platforms/cpu/fused_decode.py).
+this family's decode-only steps in one C call (platforms/cpu/fused_decode.py). Embedding,
+lm_head and checkpoint loading are the shared ``CausalLM``'s (causal_lm.py).
 """
 
 from __future__ import annotations
-
-from functools import partial
-from typing import Callable, Iterable
 
 import torch
 from torch import nn
 
 from anna.model.attention import AttentionMetadata, paged_attention
 from anna.model.cache_spec import AttentionSpec, CacheSpec
+from anna.model.causal_lm import CausalLM
 from anna.model.config import ModelConfig
 from anna.model.layers import GatedMLP, RMSNorm, RopeBatch, RotaryEmbedding
-from anna.model.linear import Linear, QuantLinear, check_shape, make_linear
+from anna.model.linear import make_linear
 from anna.model.moe import SparseMoE
 from anna.model.ops import TORCH_OPS, ModelOps
-from anna.model.registry import ARCHITECTURES
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -83,121 +81,15 @@ class DecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
-# Checkpoint name fragment -> (fused parameter name, shard index)
-STACKED_PARAMS = {
-    ".q_proj.": (".qkv_proj.", 0),
-    ".k_proj.": (".qkv_proj.", 1),
-    ".v_proj.": (".qkv_proj.", 2),
-    ".gate_proj.": (".gate_up_proj.", 0),
-    ".up_proj.": (".gate_up_proj.", 1),
-}
-
-
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(CausalLM):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, max_positions: int,
                  ops: ModelOps = TORCH_OPS, activation_dtype: torch.dtype | None = None) -> None:
-        super().__init__()
-        self.config = cfg
-        self.activation_dtype = activation_dtype or dtype
+        super().__init__(cfg, dtype, ops, activation_dtype)
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, torch.float32)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype, ops) for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
-        self.lm_head = make_linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, ops=ops)
-        self.lm_head.profile_name = "lm_head"
-        if cfg.tie_word_embeddings and isinstance(self.lm_head, QuantLinear):
-            # The quantized lm_head is the only copy: lookups dequantize the rows they need.
-            self.register_parameter("embed_tokens", None)
-        else:
-            self.embed_tokens = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype),
-                                             requires_grad=False)
-            if cfg.tie_word_embeddings:
-                self.lm_head.weight = self.embed_tokens
-
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """A fresh tensor (the residual stream may be updated in place)."""
-        if self.embed_tokens is None:
-            return self.lm_head.dequantized(input_ids).to(self.activation_dtype)
-        if self.config.tie_word_embeddings:  # the lm_head's weight, in the lm_head's layout
-            return self.lm_head.weight_rows(input_ids).to(self.activation_dtype)
-        return self.embed_tokens[input_ids].to(self.activation_dtype)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
-                meta: AttentionMetadata) -> torch.Tensor:
-        hidden = self.embed(input_ids)
-        rope = self.rotary.batch(positions, hidden.dtype)
-        residual = None
-        for layer, kv in zip(self.layers, kv_caches):
-            hidden, residual = layer(rope, hidden, residual, kv, meta)
-        return self.norm(hidden, residual)[0]
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
 
     def cache_specs(self, dtype: torch.dtype) -> list[CacheSpec]:
         """What each layer keeps between steps: paged attention KV, in ``dtype``."""
         cfg = self.config
         spec = AttentionSpec(cfg.num_key_value_heads, cfg.head_dim, dtype, cfg.sliding_window)
         return [spec] * cfg.num_hidden_layers
-
-    # ---- weights ----
-    def checkpoint_targets(self) -> dict[str, Callable[[torch.Tensor, str, str], None]]:
-        """Every checkpoint tensor this model needs -> a function(tensor, name, where) that loads it."""
-        targets: dict[str, Callable[[torch.Tensor, str, str], None]] = {}
-        tied = self.config.tie_word_embeddings
-        for mod_name, module in self.named_modules():
-            if isinstance(module, (Linear, QuantLinear)):
-                prefix = "lm_head" if mod_name == "lm_head" else "model." + mod_name
-                for kind in ("weight", "bias"):
-                    if kind == "bias" and module.bias is None:
-                        continue
-                    if len(module.shard_sizes) == 1:
-                        names = [(f"{prefix}.{kind}", 0)]
-                    else:
-                        names = [(f"{prefix}.{kind}".replace(fused, fragment), shard)
-                                 for fragment, (fused, shard) in STACKED_PARAMS.items() if fused in prefix + "."]
-                    for ckpt, shard in names:
-                        targets[self._checkpoint_name(ckpt)] = partial(_load_linear, module, kind, shard)
-            elif isinstance(module, RMSNorm):
-                targets[f"model.{mod_name}.weight"] = partial(_copy_into, module.weight)
-        if self.embed_tokens is not None:
-            targets["model.embed_tokens.weight"] = partial(_copy_into, self.embed_tokens)
-        if tied:
-            loader = targets.pop("lm_head.weight")
-            if self.embed_tokens is None:  # quantized: the embedding checkpoint tensor feeds the lm_head
-                targets["model.embed_tokens.weight"] = loader
-        return targets
-
-    def _checkpoint_name(self, name: str) -> str:
-        """A tensor's name in the checkpoints of this family (e.g. Mixtral's block_sparse_moe.experts.N.w1)."""
-        for ours, theirs in ARCHITECTURES[self.config.architecture].family.checkpoint_names:
-            name = name.replace(ours, theirs)
-        return name
-
-    def interleave_for_cpu_kernels(self, converted: bool = False) -> None:
-        """After loading: store the weights Anna's CPU kernel serves in the layout it reads
-        (``converted``: they already are, read back from the int4 layout cache)."""
-        for module in self.modules():
-            if isinstance(module, (Linear, QuantLinear)):
-                module.interleave_for_cpu_kernel(converted)
-
-    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]], where: str) -> set[str]:
-        """Load checkpoint tensors (converting or quantizing them); return the names consumed."""
-        targets = self.checkpoint_targets()
-        loaded = set()
-        for name, tensor in tensors:
-            target = targets.get(name)
-            if target is None:
-                continue  # e.g. rotary inv_freq buffers, a tied lm_head
-            target(tensor, name, where)
-            loaded.add(name)
-        return loaded
-
-
-def _load_linear(module: Linear | QuantLinear, kind: str, shard: int, tensor: torch.Tensor, name: str,
-                 where: str) -> None:
-    module.load(kind, shard, tensor, name, where)
-
-
-def _copy_into(param: torch.Tensor, tensor: torch.Tensor, name: str, where: str) -> None:
-    check_shape(name, where, tuple(param.shape), tuple(tensor.shape))
-    param.data.copy_(tensor)

@@ -119,6 +119,21 @@ class ModelOps:
 
         return torch_decode_attention(q, k_cache, v_cache, meta, scale, self.attention_dtype or q.dtype)
 
+    # ---- linear attention (model/gated_delta.py) ----
+    def conv_step(self, x: torch.Tensor, conv_state: torch.Tensor, slots: torch.Tensor,
+                  weight: torch.Tensor) -> torch.Tensor:
+        """silu(causal conv) of one new token per sequence, updating the sequences' conv states."""
+        from anna.model.gated_delta import conv_step
+
+        return conv_step(x, conv_state, slots, weight)
+
+    def gated_delta_step(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                         beta: torch.Tensor, state: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """One step of the gated delta rule per sequence, updating the sequences' states."""
+        from anna.model.gated_delta import gated_delta_step
+
+        return gated_delta_step(q, k, v, g, beta, state, slots)
+
     def grouped_experts(self, moe: Any, rows: torch.Tensor, counts: list[int]) -> torch.Tensor | None:
         """Every chosen expert over its rows (grouped by expert, ``counts`` each) in one call per
         projection, where a kernel does that; None: the MoE layer runs them one by one."""
@@ -131,6 +146,8 @@ class ModelOps:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if weight.dtype != x.dtype:  # an fp32 weight (zero-centred norms): scale in fp32, as transformers does
+        return (xf * weight.float()).to(x.dtype)
     return weight * xf.to(x.dtype)
 
 

@@ -129,6 +129,7 @@ def profile_activation_peak(model: torch.nn.Module, specs: list[CacheSpec], plat
     positions = torch.arange(num_tokens)
     table = torch.arange(blocks).unsqueeze(0)
     meta = build_metadata(positions.clone(), [0], [num_tokens], table, block_size, cfg.sliding_window, platform.device)
+    meta.state_slots = torch.zeros(1, dtype=torch.long, device=platform.device)
     ids = torch.randint(0, cfg.vocab_size, (num_tokens,), generator=torch.Generator().manual_seed(0))
     ids = ids.to(platform.device)
     return _peak(platform, caches, lambda: model.compute_logits(
@@ -151,6 +152,7 @@ def profile_decode_peak(model: torch.nn.Module, specs: list[CacheSpec], platform
     slots = torch.full((rows,), (last // block_size) * block_size + last % block_size)
     table = torch.arange(blocks).unsqueeze(0).expand(rows, -1)
     meta = build_metadata(slots, [last] * rows, [1] * rows, table, block_size, model.config.sliding_window, device)
+    meta.state_slots = torch.zeros(rows, dtype=torch.long, device=device)
     ids = torch.zeros(rows, dtype=torch.long, device=device)
     positions = torch.full((rows,), last, device=device)
     return _peak(platform, caches, lambda: model.compute_logits(model(ids, positions, caches, meta)))

@@ -56,6 +56,7 @@ class ModelInputs:
     meta: AttentionMetadata
     order: list[int]  # batch index of each request in model order (decodes first)
     logits_indices: list[int]  # flattened-token index of the last token of each request, model order
+    fresh_state_slots: torch.Tensor | None = None  # state slots of sequences starting from their first token
 
 
 def allocate_caches(specs: list[CacheSpec], platform: Platform, *, num_blocks: int, block_size: int,
@@ -131,19 +132,27 @@ class ModelRunner:
         owner = torch.repeat_interleave(torch.arange(len(order)), torch.tensor(lens))
         slots = table_tensor[owner, positions // bs] * bs + positions % bs
         meta = build_metadata(slots, starts, lens, table_tensor, bs, self.model.config.sliding_window, dev)
+        fresh = None
         if self.caches.state is not None:
-            meta.state_slots = torch.tensor([self.caches.state.slot(requests[i].request_id) for i in order],
-                                            dtype=torch.long, device=dev)
+            slots = [self.caches.state.slot(requests[i].request_id) for i in order]
+            meta.state_slots = torch.tensor(slots, dtype=torch.long, device=dev)
+            first = [slot for slot, start in zip(slots, starts) if start == 0]
+            fresh = torch.tensor(first, dtype=torch.long, device=dev) if first else None
         logits_indices = (torch.tensor(lens).cumsum(0) - 1).tolist()
         input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
         if on_device:
             where = torch.tensor([flat for flat, _ in on_device], device=dev)
             input_ids[where] = torch.stack([t[row] for _, (t, row) in on_device])
-        return ModelInputs(input_ids, positions.to(dev), meta, order, logits_indices)
+        return ModelInputs(input_ids, positions.to(dev), meta, order, logits_indices, fresh)
 
     @torch.inference_mode()
     def forward(self, inputs: ModelInputs) -> torch.Tensor:
         """Hidden states of every scheduled token, in model order."""
+        if inputs.fresh_state_slots is not None:  # a sequence's first step starts from a zero state
+            for cache in self.layer_caches:
+                if isinstance(cache, dict):
+                    for tensor in cache.values():
+                        tensor.index_fill_(0, inputs.fresh_state_slots, 0)
         executor = self.decode_executor
         if executor is not None and executor.applies(inputs.meta, inputs.input_ids.shape[0], self.layer_caches):
             return executor.run(inputs.input_ids, inputs.positions, self.layer_caches, inputs.meta)

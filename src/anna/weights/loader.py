@@ -117,6 +117,8 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, *, dtype: torch.dtype, p
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise ModelLoadError(f"{model_dir}: checkpoint is missing tensors: {shown}")
+    for line in model.skipped_parts():
+        log.info("%s", line)
     elapsed = time.perf_counter() - start
     tensors = {id(t): t for t in [*model.parameters(), *model.buffers(recurse=True)]}.values()
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
