@@ -42,7 +42,43 @@ SHAPES = {
                           head_dim=128, vocab_size=151936, max_position_embeddings=40960, rope_theta=1000000.0,
                           rms_norm_eps=1e-6, tie_word_embeddings=False, num_experts=128, num_experts_per_tok=8,
                           moe_intermediate_size=768, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[]),
+    # hybrid: 3 Gated DeltaNet layers, then one gated full-attention layer (head_dim 256, rotary on 64)
+    "qwen3.5-0.8b": dict(architectures=["Qwen3_5ForCausalLM"], model_type="qwen3_5_text", hidden_size=1024,
+                         intermediate_size=3584, num_hidden_layers=24, num_attention_heads=8, num_key_value_heads=2,
+                         head_dim=256, linear_num_key_heads=16, linear_num_value_heads=16, linear_key_head_dim=128,
+                         linear_value_head_dim=128, linear_conv_kernel_dim=4, full_attention_interval=4,
+                         vocab_size=248320, max_position_embeddings=262144,
+                         rope_parameters={"rope_theta": 10000000.0, "partial_rotary_factor": 0.25, "rope_type": "default"},
+                         rms_norm_eps=1e-6, tie_word_embeddings=True),
+    "qwen3.5-35b-a3b": dict(architectures=["Qwen3_5MoeForCausalLM"], model_type="qwen3_5_moe_text", hidden_size=2048,
+                            intermediate_size=512, num_hidden_layers=40, num_attention_heads=16, num_key_value_heads=2,
+                            head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+                            linear_value_head_dim=128, linear_conv_kernel_dim=4, full_attention_interval=4,
+                            vocab_size=248320, max_position_embeddings=262144,
+                            rope_parameters={"rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
+                                             "rope_type": "default"},
+                            rms_norm_eps=1e-6, tie_word_embeddings=False, num_experts=256, num_experts_per_tok=8,
+                            moe_intermediate_size=512, shared_expert_intermediate_size=512),
 }
+HYBRID_TYPES = ("qwen3_5_text", "qwen3_5_moe_text")
+
+
+def hybrid_layer_shapes(cfg: dict, i: int) -> dict[str, tuple[int, ...]]:
+    """The mixer of layer i of a Qwen3.5 model: Gated DeltaNet, or (every fourth) gated attention."""
+    h, p = cfg["hidden_size"], f"model.layers.{i}."
+    if (i + 1) % cfg["full_attention_interval"] == 0:
+        hd = cfg["head_dim"]
+        q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
+        return {p + "self_attn.q_proj.weight": (2 * q, h), p + "self_attn.k_proj.weight": (kv, h),
+                p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
+                p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)}
+    key = cfg["linear_num_key_heads"] * cfg["linear_key_head_dim"]
+    value, heads = cfg["linear_num_value_heads"] * cfg["linear_value_head_dim"], cfg["linear_num_value_heads"]
+    a = p + "linear_attn."
+    return {a + "in_proj_qkv.weight": (2 * key + value, h), a + "in_proj_z.weight": (value, h),
+            a + "in_proj_b.weight": (heads, h), a + "in_proj_a.weight": (heads, h),
+            a + "conv1d.weight": (2 * key + value, 1, cfg["linear_conv_kernel_dim"]), a + "A_log": (heads,),
+            a + "dt_bias": (heads,), a + "norm.weight": (cfg["linear_value_head_dim"],), a + "out_proj.weight": (h, value)}
 
 
 def tensor_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
@@ -56,15 +92,24 @@ def tensor_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
         shapes["lm_head.weight"] = (cfg["vocab_size"], h)
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
-        shapes.update({p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-                       p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
-                       p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q)})
+        shapes.update({p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)})
+        if cfg["model_type"] in HYBRID_TYPES:
+            shapes.update(hybrid_layer_shapes(cfg, i))
+        else:
+            shapes.update({p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
+                           p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q)})
         mlps = [(p + f"mlp.experts.{e}.", moe_inter) for e in range(experts)] or [(p + "mlp.", inter)]
         for m, size in mlps:
             shapes.update({m + "gate_proj.weight": (size, h), m + "up_proj.weight": (size, h),
                            m + "down_proj.weight": (h, size)})
         if experts:
             shapes[p + "mlp.gate.weight"] = (experts, h)
+        if cfg.get("shared_expert_intermediate_size"):
+            shared = cfg["shared_expert_intermediate_size"]
+            shapes.update({p + "mlp.shared_expert.gate_proj.weight": (shared, h),
+                           p + "mlp.shared_expert.up_proj.weight": (shared, h),
+                           p + "mlp.shared_expert.down_proj.weight": (h, shared),
+                           p + "mlp.shared_expert_gate.weight": (1, h)})
         if qwen2:
             shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
                            p + "self_attn.v_proj.bias": (kv,)})
@@ -115,9 +160,15 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     gen = torch.Generator().manual_seed(args.seed)
     tensors = {}
+    zero_centred = cfg["model_type"] in HYBRID_TYPES  # norms hold w of norm(x) * (1 + w)
     for name, shape in tensor_shapes(cfg).items():
-        if name.endswith("norm.weight"):
+        if name.endswith("linear_attn.norm.weight"):
             tensors[name] = torch.ones(shape, dtype=dtype)
+        elif name.endswith("norm.weight"):
+            tensors[name] = (torch.zeros if zero_centred else torch.ones)(shape, dtype=dtype)
+        elif name.endswith(("A_log", "dt_bias")):  # decays as in a trained model: A in [1, 16]
+            tensors[name] = (torch.rand(shape, generator=gen) * 2.77).to(dtype) if name.endswith("A_log") \
+                else torch.ones(shape, dtype=dtype)
         else:
             tensors[name] = (torch.randn(shape, generator=gen) * 0.02).to(dtype)
     save_file(tensors, str(args.out / "model.safetensors"))

@@ -49,10 +49,10 @@ ARCH_CONFIGS = {
     # hybrid: Gated DeltaNet layers 0-2, gated full attention in layer 3; 2 key heads serve 4 value heads
     "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", dict(HYBRID, tie_word_embeddings=True)),
     "qwen3_5_moe": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", dict(
-        HYBRID, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+        HYBRID, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64,
         tie_word_embeddings=False)),
     "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", dict(
-        HYBRID, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+        HYBRID, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32, shared_expert_intermediate_size=64,
         mlp_only_layers=[1], norm_topk_prob=False, tie_word_embeddings=False)),
 }
 

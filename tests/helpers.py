@@ -68,11 +68,14 @@ def record_batches(engine: LLMEngine) -> list[list[int]]:
     return seen
 
 
+# linear layers Anna keeps unquantized: Qwen2-MoE's shared-expert gate, Gated DeltaNet's b and a
+EXACT_LINEARS = ("shared_expert_gate", "in_proj_b", "in_proj_a", "in_proj_ba")
+
+
 def fake_quantized(model, quant: str, group: int = 32):
     """A copy of the transformers model whose weights Anna quantizes are replaced by their
     dequantized values: every linear layer's, and each expert's of a mixture of experts (stored
-    as one [experts, rows, cols] tensor); routers and Qwen2-MoE's shared-expert gate stay exact,
-    as in Anna."""
+    as one [experts, rows, cols] tensor); routers and EXACT_LINEARS stay exact, as in Anna."""
     import copy
 
     from anna.model.quantization import dequantize_int4, dequantize_int8, quantize_int4, quantize_int8
@@ -86,7 +89,7 @@ def fake_quantized(model, quant: str, group: int = 32):
     fake = copy.deepcopy(model)
     with torch.no_grad():
         for name, module in fake.named_modules():
-            if isinstance(module, torch.nn.Linear) and not name.endswith("shared_expert_gate"):
+            if isinstance(module, torch.nn.Linear) and not name.endswith(EXACT_LINEARS):
                 round_trip(module.weight)
             elif name.endswith(".experts"):
                 for param in module.parameters(recurse=False):

@@ -78,14 +78,31 @@ def test_a_state_slot_is_given_back_when_kv_blocks_run_out():
     assert caches.state.num_free == 4 and kv.num_free_blocks == 2
 
 
-def test_a_model_with_state_layers_takes_no_prefix_hits():
-    """A cached KV prefix does not restore a recurrent state: such a model computes from the start."""
+def test_a_model_with_state_layers_takes_prefix_hits_only_where_a_state_was_saved():
+    """A cached KV prefix does not restore a recurrent state: without snapshots such a model
+    computes from the start; with them, a hit ends at the last block whose state was saved."""
     kv = KVCacheManager(num_blocks=8, block_size=4, enable_prefix_caching=True)
     first = _request(0)
     assert kv.allocate_slots(first, 10)
     kv.free(first)  # its two full blocks stay cached
     assert kv.get_computed_blocks(_request(1))[1] == 8
-    assert CacheManagers(kv, StateCacheManager(2)).get_computed_blocks(_request(1)) == ([], 0)
+    assert CacheManagers(kv, StateCacheManager(2)).get_computed_blocks(_request(1)).num_tokens == 0
+    caches = CacheManagers(kv, StateCacheManager(2, num_snapshots=2))
+    assert caches.get_computed_blocks(_request(1)).num_tokens == 0  # no state saved yet
+    second = _request(1)
+    assert caches.allocate_slots(second, 4)
+    save = caches.plan_save(second, 0, 4)  # a chunk ending on the first block boundary
+    assert save is not None and save.dst >= 2  # a snapshot slot, after the running sequences' slots
+    caches.saved(save, True)
+    caches.free(second)
+    hit = caches.get_computed_blocks(_request(1))
+    assert hit.num_tokens == 4 and hit.state_snapshot == save.dst
+    third = _request(1)
+    assert caches.allocate_slots(third, 8)
+    failed = caches.plan_save(third, 0, 8)  # planned, but its step failed: nothing kept
+    caches.saved(failed, False)
+    caches.free(third)
+    assert caches.get_computed_blocks(_request(1)).num_tokens == 4
 
 
 def test_every_setting_belongs_to_exactly_one_section():

@@ -134,9 +134,13 @@ class ServeSettings:
     memory_release_max_gap_mib: float | None = _setting(
         1024.0, "Periodic check: release when resident-but-unused KV memory exceeds this (MiB); 0 = off.")
     kv_release_chunk_blocks: int | None = _setting(64, "KV blocks per chunk, the unit memory is returned in.")
+    state_snapshots: int | None = _setting(
+        -1, "Models with recurrent layers (Qwen3.5, Qwen3-Next): states kept at block boundaries of cached prefixes, "
+            "which prefix reuse needs; -1 = auto (max_num_seqs), 0 = off (no prefix reuse for such models).",
+        minimum=-1)
     prompt_cache_size: int | None = _setting(
-        -1, "Whole prompts kept in the exact prompt cache; -1 = auto (4 when the KV layout is not paged, else 0), "
-            "0 = off.", minimum=-1)
+        -1, "Whole prompts kept in the exact prompt cache; -1 = auto (4 where paged prefix sharing cannot serve "
+            "repeated prompts, else 0), 0 = off.", minimum=-1)
     prompt_cache_max_tokens: int | None = _setting(
         -1, "Longest prompt the exact prompt cache keeps; -1 = auto (2048 when the cache is on by default, "
             "else no limit), 0 = no limit.", minimum=-1)
@@ -217,10 +221,13 @@ class ServeSettings:
         minimum=1)
     text_queue_limit: int | None = _setting(
         32, "Jobs that may wait for each of those thread pools; a request beyond that gets 503 (server busy).")
-    tool_call_parser: str | None = _setting("hermes", "How tool calls are read from model output.",
-                                            choices=("hermes", "none"))
+    tool_call_parser: str | None = _setting(
+        "hermes", "How tool calls are read from model output: hermes (JSON in <tool_call>, Qwen2.5/Qwen3), qwen3_xml "
+                  "or its alias qwen3_coder (<function=...><parameter=...> in <tool_call>, Qwen3.5/Qwen3-Coder).",
+        choices=("hermes", "qwen3_xml", "qwen3_coder", "none"))
     reasoning_parser: str | None = _setting(
-        "none", "Split <think>...</think> reasoning into reasoning_content.",
+        "none", "Split <think>...</think> reasoning into reasoning_content (also when the chat template opens "
+                "<think> in the prompt, as Qwen3.5's does: the output then starts as reasoning).",
         choices=("none", "think", "qwen3", "deepseek_r1"))
     log_level: str | None = _setting("info", "Logging level.", choices=("debug", "info", "warning", "error"))
     profile_runtime: bool | None = _setting(
@@ -242,7 +249,7 @@ SECTION_FIELDS: dict[str, tuple[str, ...]] = {
     "cache": ("block_size", "kv_cache_memory", "num_gpu_blocks_override", "enable_prefix_caching",
               "memory_utilization", "min_free_memory_mib", "memory_release_sweep_interval_s",
               "memory_release_min_free_mib", "memory_release_max_gap_mib", "kv_release_chunk_blocks",
-              "prompt_cache_size", "prompt_cache_max_tokens"),
+              "state_snapshots", "prompt_cache_size", "prompt_cache_max_tokens"),
     "scheduler": ("max_num_seqs", "max_num_batched_tokens", "scheduler_profile", "prefill_interval_steps",
                   "scheduler_event_driven_prefill_insert", "skip_batch_wait_when_idle", "batch_wait_ms",
                   "long_prefill_token_threshold", "scheduler_token_sync_every_steps"),

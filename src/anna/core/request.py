@@ -42,6 +42,9 @@ class Request:
     stop_reason: int | str | None = None
     num_preemptions: int = 0
     register_prefix_blocks: bool = True  # False when the exact prompt cache is responsible for this prompt
+    # n > 1: the first sample, whose prompt prefill the others may wait for and reuse (its KV
+    # blocks and, for recurrent layers, its state snapshot); None for the first and for n = 1
+    prefix_leader: Request | None = field(default=None, repr=False)
     # Per output token: {token id: Logprob} for the top alternatives and the chosen token
     output_logprobs: list[dict] = field(default_factory=list)
     # With prompt_logprobs: per prompt position, {token id: Logprob} once computed (None for the

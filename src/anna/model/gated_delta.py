@@ -31,7 +31,7 @@ from anna.model.attention import AttentionMetadata
 from anna.model.cache_spec import StateSpec, StateTensor
 from anna.model.config import LinearAttentionConfig
 from anna.model.layers import RMSNorm
-from anna.model.linear import check_shape, make_linear
+from anna.model.linear import Linear, check_shape, make_linear
 from anna.model.ops import TORCH_OPS, ModelOps
 
 GATED_DELTA_CHUNK = 64
@@ -131,7 +131,7 @@ class GatedRMSNorm(RMSNorm):
 
 
 class GatedDeltaNet(nn.Module):
-    """in_proj (q, k, v, z, b, a in one matmul) -> causal conv + SiLU over q, k, v -> the gated
+    """in_proj (q, k, v, z in one matmul; b, a in another) -> causal conv + SiLU over q, k, v -> the gated
     delta rule -> gated RMSNorm with z -> out_proj."""
 
     def __init__(self, hidden: int, lin: LinearAttentionConfig, eps: float, dtype: torch.dtype,
@@ -139,8 +139,11 @@ class GatedDeltaNet(nn.Module):
         super().__init__()
         self.lin = lin
         heads = lin.num_value_heads
-        self.split = [lin.conv_dim, lin.value_dim, heads, heads]
+        self.split = [lin.conv_dim, lin.value_dim]
         self.in_proj = make_linear(hidden, self.split, bias=False, dtype=dtype, ops=ops)
+        # b and a (a few rows that set every token's write strength and decay) stay unquantized, as
+        # routers do: quantized, their error compounds through the recurrence
+        self.in_proj_ba = Linear(hidden, [heads, heads], bias=False, dtype=dtype, ops=ops)
         # [kernel, channels]: one time step's weights contiguous, as the conv state's rows
         self.conv_weight = nn.Parameter(torch.empty(lin.conv_kernel, lin.conv_dim, dtype=activation_dtype),
                                         requires_grad=False)
@@ -157,7 +160,8 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor, state: dict[str, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         lin, ops = self.lin, self.ops
         t, heads = x.shape[0], lin.num_value_heads
-        mixed, z, b, a = self.in_proj(x).split(self.split, dim=-1)
+        mixed, z = self.in_proj(x).split(self.split, dim=-1)
+        b, a = self.in_proj_ba(x).chunk(2, dim=-1)
         slots, nd = meta.state_slots, meta.num_decode_tokens
         conv_state, recurrent = state["conv"], state["recurrent"]
         with ops.region("conv"):

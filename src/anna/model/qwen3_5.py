@@ -108,7 +108,7 @@ class HybridDecoderLayer(nn.Module):
 class Qwen3_5ForCausalLM(CausalLM):
     final_norm = ZeroCenteredRMSNorm
     stacked_params = {**STACKED_PARAMS, ".in_proj_qkv.": (".in_proj.", 0), ".in_proj_z.": (".in_proj.", 1),
-                      ".in_proj_b.": (".in_proj.", 2), ".in_proj_a.": (".in_proj.", 3)}
+                      ".in_proj_b.": (".in_proj_ba.", 0), ".in_proj_a.": (".in_proj_ba.", 1)}
     SKIPPED_PREFIXES = {"model.visual.": "the vision tower (Anna serves text; images are not served)",
                         "mtp.": "the multi-token-prediction head (used by no decoding mode yet)"}
 
@@ -139,7 +139,7 @@ class Qwen3_5ForCausalLM(CausalLM):
                     del targets[f"{base}in_proj_{part}.weight"]
                 proj, lin = layer.linear_attn.in_proj, self.config.linear_attention
                 targets[base + "in_proj_qkvz.weight"] = partial(_load_grouped_qkvz, proj, lin)
-                targets[base + "in_proj_ba.weight"] = partial(_load_grouped_ba, proj, lin)
+                targets[base + "in_proj_ba.weight"] = partial(_load_grouped_ba, layer.linear_attn.in_proj_ba, lin)
         return targets
 
 
@@ -159,10 +159,10 @@ def _load_grouped_qkvz(proj: Linear | QuantLinear, lin: LinearAttentionConfig, t
 
 def _load_grouped_ba(proj: Linear | QuantLinear, lin: LinearAttentionConfig, tensor: torch.Tensor, name: str,
                      where: str) -> None:
-    """Qwen3-Next's in_proj_ba: per key head [its value heads' b | their a]; in_proj's shards 2 and 3."""
+    """Qwen3-Next's in_proj_ba: per key head [its value heads' b | their a]; as all b, then all a."""
     groups, r = lin.num_key_heads, lin.num_value_heads // lin.num_key_heads
     hidden = tensor.shape[-1]
     check_shape(name, where, (2 * lin.num_value_heads, hidden), tuple(tensor.shape))
     b, a = tensor.view(groups, 2 * r, hidden).split([r, r], dim=1)
-    proj.load("weight", 2, b.reshape(-1, hidden), name, where)
-    proj.load("weight", 3, a.reshape(-1, hidden), name, where)
+    proj.load("weight", 0, b.reshape(-1, hidden), name, where)
+    proj.load("weight", 1, a.reshape(-1, hidden), name, where)

@@ -110,10 +110,11 @@ def build_engine_parts(s: ResolvedSettings, show_progress: bool = True) -> Engin
                        kv_cache_memory_gib=c.kv_cache_memory, num_blocks_override=c.num_gpu_blocks_override,
                        memory_utilization=c.memory_utilization, max_num_seqs=sch.max_num_seqs,
                        weights=module_bytes(model), activation_peak=peak, profile_tokens=profile_tokens,
-                       workspace_bytes=workspace or 0)
+                       workspace_bytes=workspace or 0, state_snapshots=_state_snapshots(c, sch))
     log.info(plan.describe(max_model_len))
     kv = KVCacheManager(plan.num_blocks, c.block_size, c.enable_prefix_caching)
-    caches = CacheManagers(kv, StateCacheManager(plan.num_state_slots) if state_layers(specs) else None)
+    caches = CacheManagers(kv, StateCacheManager(plan.num_state_slots, plan.num_state_snapshots)
+                           if state_layers(specs) else None)
     prompt_cache = _prompt_cache(c, caches)
     stats = EngineStats()
     scheduler = Scheduler(SchedulerConfig(
@@ -162,13 +163,21 @@ def _sampling_defaults(where: str, model_dir: str) -> dict[str, Any]:
     return defaults
 
 
+def _state_snapshots(c: Any, sch: Any) -> int:
+    """States kept for prefix reuse of recurrent layers: none without prefix caching."""
+    if not c.enable_prefix_caching:
+        return 0
+    return c.state_snapshots if c.state_snapshots >= 0 else sch.max_num_seqs
+
+
 def _prompt_cache(c: Any, caches: CacheManagers) -> PromptCache:
     """Resolve the exact prompt cache's auto values from the cache kinds: it is on by default
-    where paged prefix sharing cannot serve repeated prompts, off where it can."""
+    where paged prefix sharing cannot serve repeated prompts, off where it can (with recurrent
+    layers, it can when their states are snapshotted: state_snapshots)."""
     size = c.prompt_cache_size if c.prompt_cache_size >= 0 else (0 if caches.shares_prefixes else 4)
-    why = ""
+    why = "" if size or c.prompt_cache_size >= 0 else " (off: paged prefix sharing serves repeated prompts)"
     if size and caches.state is not None:  # its entries hold paged KV only
-        size, why = 0, " (off: it does not yet keep the per-sequence state of recurrent layers)"
+        size, why = 0, " (off: its entries hold no per-sequence state of recurrent layers)"
     on_by_default = c.prompt_cache_size < 0 and size > 0
     max_tokens = c.prompt_cache_max_tokens if c.prompt_cache_max_tokens >= 0 else (2048 if on_by_default else 0)
     log.info("Exact prompt cache: size=%d max_tokens=%d%s", size, max_tokens, why or ("" if size else " (off)"))

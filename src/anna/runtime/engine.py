@@ -110,7 +110,7 @@ class LLMEngine:
 
     def reset_after_warmup(self) -> None:
         """Forget what warmup did: cached prefixes and prompts, counters and histograms."""
-        self.kv.reset_prefix_cache()
+        self.scheduler.caches.reset_prefix_cache()
         self.kv.prefix_cache_queries = self.kv.prefix_cache_hits = 0
         self.prompt_cache.clear()
         self.prompt_cache.lookups = self.prompt_cache.hits = 0
@@ -148,6 +148,8 @@ class LLMEngine:
             raise ValueError(f"request_id: {group.request_id!r} is already in use")
         self.outputs.add(group)
         for state in group.seqs:
+            if state is not group.seqs[0]:
+                state.req.prefix_leader = group.seqs[0].req
             self.scheduler.add(state.req)
         self.stats.prompt_tokens += processed.num_prompt_tokens * processed.n
 
@@ -179,6 +181,7 @@ class LLMEngine:
         except Exception as exc:
             log.exception("step failed (%d requests, %d tokens): failing its requests", len(batch.requests),
                           batch.total_tokens)
+            self.scheduler.step_failed(batch)
             self._fail_unattributed(batch.requests, exc, touched)
             return self._outputs(touched)
         self.stats.steps.record(batch.step_class, time.perf_counter() - start)

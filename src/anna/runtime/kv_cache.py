@@ -137,7 +137,7 @@ class KVCacheManager:
         placeholders, always the last ones) must not reach a block's hash."""
         return req.num_tokens - len(req.pending)
 
-    def _hashes(self, req: Request, num_tokens: int) -> list[bytes]:
+    def block_hashes(self, req: Request, num_tokens: int) -> list[bytes]:
         """Hashes of the request's full blocks within its first ``num_tokens`` known tokens."""
         hashes = self.req_hashes.setdefault(req.request_id, [])
         bs = self.block_size
@@ -153,7 +153,7 @@ class KVCacheManager:
         if not self.enable_prefix_caching or not req.register_prefix_blocks:
             return [], 0
         hits = []
-        for h in self._hashes(req, req.num_tokens - 1):
+        for h in self.block_hashes(req, req.num_tokens - 1):
             block = self.pool.cached.get(h)
             if block is None:
                 break
@@ -189,7 +189,7 @@ class KVCacheManager:
         full = min(num_written, self._known_tokens(req)) // self.block_size
         done = self.req_registered.get(req.request_id, 0)
         if full > done:
-            blocks, hashes = self.req_blocks[req.request_id], self._hashes(req, full * self.block_size)
+            blocks, hashes = self.req_blocks[req.request_id], self.block_hashes(req, full * self.block_size)
             for i in range(done, full):
                 self.pool.register(blocks[i], hashes[i])
             self.req_registered[req.request_id] = full

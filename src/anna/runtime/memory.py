@@ -33,6 +33,7 @@ class CachePlan:
     bytes_per_sequence: int  # per-sequence state, all layers
     budget_source: str
     steps: list[str]  # how the budget was reached, one line each, for the start-up log
+    num_state_snapshots: int = 0  # states kept at block boundaries of cached prefixes (state_cache.py)
 
     @property
     def num_tokens(self) -> int:
@@ -53,6 +54,8 @@ class CachePlan:
         if self.bytes_per_sequence:
             lines.append(f"per-sequence state: {self.bytes_per_sequence} bytes per sequence; {self.num_state_slots} "
                          f"slots, {self.num_state_slots * self.bytes_per_sequence / MIB:.1f} MiB")
+            lines.append(f"state snapshots for prefix reuse: {self.num_state_snapshots}, "
+                         f"{self.num_state_snapshots * self.bytes_per_sequence / MIB:.1f} MiB")
         lines.append(f"max concurrency at max_model_len={max_model_len}: {self.max_concurrency(max_model_len):.2f}")
         return "Memory plan:\n" + "\n".join(f"  {line}" for line in lines)
 
@@ -72,14 +75,15 @@ def module_bytes(module: torch.nn.Module) -> dict[str, int]:
 def plan_caches(specs: list[CacheSpec], platform: Platform, *, block_size: int, max_model_len: int,
                 kv_cache_memory_gib: float, num_blocks_override: int, memory_utilization: float, max_num_seqs: int,
                 weights: dict[str, int] | None = None, activation_peak: int | None = None, profile_tokens: int = 0,
-                workspace_bytes: int = 0) -> CachePlan:
+                workspace_bytes: int = 0, state_snapshots: int = 0) -> CachePlan:
     """Size the caches, step by step: weights, the profile run's activation peak, the platform's
     memory and the utilization fraction, the compile/graph workspace; the per-sequence state of
-    max_num_seqs sequences first, the rest for paged KV."""
+    max_num_seqs sequences and ``state_snapshots`` snapshots first, the rest for paged KV."""
     per_token = kv_bytes_per_token(specs)
     per_seq = state_bytes_per_sequence(specs)
     slots = max_num_seqs if per_seq else 0
-    state_bytes = slots * per_seq
+    snapshots = state_snapshots if per_seq else 0
+    state_bytes = (slots + snapshots) * per_seq
     per_block = per_token * block_size
     steps = ["weights: " + ", ".join(f"{b / MIB:.1f} MiB on {d}" for d, b in sorted((weights or {}).items()))]
     if activation_peak is not None:
@@ -90,7 +94,8 @@ def plan_caches(specs: list[CacheSpec], platform: Platform, *, block_size: int, 
     reserve = activation_peak if activation_peak is not None else platform.activation_reserve
     steps.append(f"graphs/compile workspace: {workspace_bytes / MIB:.0f} MiB")
     if state_bytes:
-        steps.append(f"per-sequence state: {slots} slots (max_num_seqs) x {per_seq} bytes = {state_bytes / MIB:.1f} MiB")
+        steps.append(f"per-sequence state: {slots} slots (max_num_seqs) + {snapshots} prefix snapshots x {per_seq} "
+                     f"bytes = {state_bytes / MIB:.1f} MiB")
     if num_blocks_override:
         blocks, source = num_blocks_override, "num_gpu_blocks_override"
     else:
@@ -103,7 +108,7 @@ def plan_caches(specs: list[CacheSpec], platform: Platform, *, block_size: int, 
             budget, source = found.bytes, found.source
             steps += found.steps
         blocks = max(0, (budget - state_bytes) // per_block) if per_block else 0
-    plan = CachePlan(int(blocks), block_size, per_token, slots, per_seq, source, steps)
+    plan = CachePlan(int(blocks), block_size, per_token, slots, per_seq, source, steps, snapshots)
     if per_token and plan.num_tokens < max_model_len:
         raise ValueError(
             f"max_model_len: one sequence of {max_model_len} tokens needs {max_model_len * per_token / MIB:.1f} MiB "

@@ -100,7 +100,7 @@ class ModelRunner:
         spare = decode_executor.spare_blocks if decode_executor is not None else 0
         self.layer_caches = allocate_caches(specs, platform, num_blocks=self.kv.num_blocks + spare,
                                             block_size=self.kv.block_size,
-                                            num_slots=caches.state.num_slots if caches.state else 0,
+                                            num_slots=caches.state.total_slots if caches.state else 0,
                                             huge_pages=huge_pages)
         self.kv_caches = [c for c in self.layer_caches if isinstance(c, tuple)]  # the paged layers'
         if decode_executor is not None:
@@ -185,11 +185,26 @@ class ModelRunner:
         host only if some request needs its token now."""
         for req, entry in batch.restores:
             self.write_prompt_kv(req, entry.kv)
+        self.copy_states(batch.state_restores)
         inputs = self.prepare(batch.requests, batch.num_new_tokens)
         hidden = self.forward(inputs)
+        self.copy_states([save for _, save in batch.state_saves])
         failed: dict[str, RequestError] = {}
         sampled = self._sample(batch, inputs, hidden, failed)
         return StepResult(sampled, self._prompt_logprobs(batch, inputs, hidden, failed), failed)
+
+    @torch.inference_mode()
+    def copy_states(self, copies: list) -> None:
+        """Copy state slots (cache_managers.StateCopy: a snapshot in, a sequence's state out) in
+        every recurrent layer."""
+        if not copies:
+            return
+        src = torch.tensor([c.src for c in copies], dtype=torch.long, device=self.device)
+        dst = torch.tensor([c.dst for c in copies], dtype=torch.long, device=self.device)
+        for cache in self.layer_caches:
+            if isinstance(cache, dict):
+                for tensor in cache.values():
+                    tensor[dst] = tensor[src]
 
     def check_device(self) -> None:
         """Raise if the device can no longer run anything (after a failed step)."""

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import logging
 
 from anna.core.request import PENDING_TOKEN, Request, RequestStatus
-from anna.runtime.cache_managers import CacheManagers
+from anna.runtime.cache_managers import CacheManagers, PrefixHit, StateCopy
 from anna.runtime.metrics import EngineStats, StepClass
 from anna.runtime.prompt_cache import PromptCache, PromptCacheEntry
 
@@ -43,6 +43,8 @@ class ScheduledBatch:
     num_new_tokens: list[int] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     restores: list[tuple[Request, PromptCacheEntry]] = field(default_factory=list)  # exact prompt cache hits
+    state_restores: list[StateCopy] = field(default_factory=list)  # before the step: prefix hits' states
+    state_saves: list[tuple[Request, StateCopy]] = field(default_factory=list)  # after it: states to snapshot
     step_class: StepClass = StepClass.PURE_DECODE
 
     @property
@@ -119,6 +121,7 @@ class Scheduler:
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             if n > 1 and len(self.running) > 1:
                 n = min(n, cfg.long_prefill_token_threshold)
+            n = self.caches.snapshot_boundary(req, req.num_computed_tokens, n) - req.num_computed_tokens
             while not self.caches.allocate_slots(req, n):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -128,6 +131,7 @@ class Scheduler:
             if req.status is RequestStatus.PREEMPTED:
                 continue
             continuing_prefill |= n > 1
+            self._plan_save(batch, req, req.num_computed_tokens, n)
             batch.requests.append(req)
             batch.num_new_tokens.append(n)
             budget -= n
@@ -135,10 +139,14 @@ class Scheduler:
         num_decoding = len(batch.requests)
         admitted = False
         if not batch.preempted and self._may_admit():
+            deferred: list[Request] = []
             while self.waiting and len(self.running) < cfg.max_num_seqs and budget > 0:
                 req = self.waiting[0]
+                if self.caches.waits_for_leader(req):
+                    deferred.append(self.waiting.popleft())
+                    continue
                 first_admission = req.num_cached_tokens < 0
-                computed, num_cached, restore = [], 0, None
+                hit, num_cached, restore = PrefixHit(), 0, None
                 if req.num_computed_tokens == 0 and req.sampling_params.prompt_logprobs is None:
                     # (prompt logprobs need every prompt position computed, so no cache hits)
                     if self.prompt_cache.covers(req.prompt_token_ids):
@@ -146,17 +154,23 @@ class Scheduler:
                         restore = self.prompt_cache.lookup(req.prompt_token_ids, count=first_admission)
                         num_cached = req.num_prompt_tokens - 1 if restore else 0
                     else:
-                        computed, num_cached = self.caches.get_computed_blocks(req)
+                        hit = self.caches.get_computed_blocks(req)
+                        num_cached = hit.num_tokens
                 n = min(req.num_tokens - num_cached, budget)
                 if num_decoding:
                     n = min(n, cfg.long_prefill_token_threshold)
+                n = self.caches.snapshot_boundary(req, num_cached, n) - num_cached
                 req.num_computed_tokens = num_cached if restore else 0
-                if not self.caches.allocate_slots(req, n, computed):
+                if not self.caches.allocate_slots(req, n, hit.blocks):
                     req.num_computed_tokens = 0
                     break
                 self.waiting.popleft()
                 if restore is not None:
                     batch.restores.append((req, restore))
+                state_restore = self.caches.restore(req, hit)
+                if state_restore is not None:
+                    batch.state_restores.append(state_restore)
+                self._plan_save(batch, req, num_cached, n)
                 if first_admission:  # count the prefix lookup once per request
                     req.num_cached_tokens = num_cached
                     self.caches.record_prefix_lookup(req, num_cached)
@@ -168,6 +182,7 @@ class Scheduler:
                 batch.num_new_tokens.append(n)
                 budget -= n
                 admitted = True
+            self.waiting.extendleft(reversed(deferred))
         self.steps_since_admission = 0 if admitted else self.steps_since_admission + 1
         if num_decoding == 0:
             batch.step_class = StepClass.PREFILL_ONLY
@@ -177,11 +192,23 @@ class Scheduler:
             batch.step_class = StepClass.BUDGET_RECOMPUTE
         return batch
 
+    def _plan_save(self, batch: ScheduledBatch, req: Request, start: int, n: int) -> None:
+        save = self.caches.plan_save(req, start, n)
+        if save is not None:
+            batch.state_saves.append((req, save))
+
     # ---- bookkeeping after a step ----
+    def step_failed(self, batch: ScheduledBatch) -> None:
+        """The step raised: what it was to save was not written."""
+        for _, save in batch.state_saves:
+            self.caches.saved(save, False)
+
     def update(self, batch: ScheduledBatch, result) -> tuple[list[TokenEvent], list[Request]]:
         """Count what the step computed; return the requests' new tokens (in batch order) and the
         requests whose tokens left on the device are due to be read back. Requests the step
         failed (``result.failed``) and those finished meanwhile are left out (the engine fails them)."""
+        for req, save in batch.state_saves:
+            self.caches.saved(save, req.request_id not in result.failed)
         events: list[TokenEvent] = []
         due: list[Request] = []
         for req, n in zip(batch.requests, batch.num_new_tokens):

@@ -1,22 +1,82 @@
 """Per-sequence state slots, for the layers whose cache spec is a StateSpec (a recurrent state of
-fixed size per sequence, whatever its length). Bookkeeping only, like kv_cache.py: the runner
-owns the tensors ([slots, *shape] per named state tensor) and reads a request's slot here.
+fixed size per sequence, whatever its length), and the state snapshots that let such models reuse
+cached prefixes. Bookkeeping only, like kv_cache.py: the runner owns the tensors ([slots, *shape]
+per named state tensor, running sequences' slots first, then the snapshots') and copies between
+slots when the scheduler's plan says so.
 
 A running sequence holds one slot from its first admission until it finishes or is preempted (a
 preempted sequence recomputes its state from the start, as its KV). Allocation failure is a
 return value, as for KV blocks.
+
+Snapshots: a recurrent state cannot be rebuilt from KV blocks, so a prefix found in the KV cache
+is only of use with the state the sequence had at its end. The scheduler saves a sequence's state
+whenever a prefill chunk ends on a block boundary (and ends a prompt's prefill chunk at its last
+block boundary, so that every prompt leaves one), keyed by the hash of the block that ends there;
+a later request whose prefix blocks are cached up to such a boundary starts from a copy of that
+state. Snapshots are evicted least recently used first.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 from anna.core.request import Request
 
 
+class StateSnapshots:
+    def __init__(self, first_slot: int, count: int) -> None:
+        self.count = count
+        self.free = list(range(first_slot + count - 1, first_slot - 1, -1))
+        self.by_hash: OrderedDict[bytes, int] = OrderedDict()  # least recently used first
+        self.reserved: dict[int, bytes] = {}  # slots being written by the current step -> their key
+
+    def find(self, key: bytes) -> int | None:
+        slot = self.by_hash.get(key)
+        if slot is not None:
+            self.by_hash.move_to_end(key)
+        return slot
+
+    def reserve(self, key: bytes) -> int | None:
+        """A slot to save the state ending at the block ``key`` into (its content is committed by
+        ``commit`` after the step); None when it is saved already or being saved."""
+        if key in self.by_hash or key in self.reserved.values() or self.count == 0:
+            return None
+        if self.free:
+            slot = self.free.pop()
+        elif self.by_hash:
+            _, slot = self.by_hash.popitem(last=False)
+        else:
+            return None  # every snapshot slot is being written by this step
+        self.reserved[slot] = key
+        return slot
+
+    def commit(self, slot: int) -> None:
+        key = self.reserved.pop(slot)
+        self.by_hash[key] = slot
+
+    def discard(self, slot: int) -> None:
+        """The step that was to write it failed."""
+        if self.reserved.pop(slot, None) is not None:
+            self.free.append(slot)
+
+    def clear(self) -> int:
+        n = len(self.by_hash)
+        self.free.extend(self.by_hash.values())
+        self.by_hash.clear()
+        return n
+
+
 class StateCacheManager:
-    def __init__(self, num_slots: int) -> None:
+    def __init__(self, num_slots: int, num_snapshots: int = 0) -> None:
         self.num_slots = num_slots
         self.free_slots = list(range(num_slots - 1, -1, -1))  # a stack: the lowest slot first
         self.slots: dict[str, int] = {}
+        self.snapshots = StateSnapshots(num_slots, num_snapshots)
+
+    @property
+    def total_slots(self) -> int:
+        """Slots the runner's state tensors hold: the running sequences' and the snapshots'."""
+        return self.num_slots + self.snapshots.count
 
     @property
     def num_free(self) -> int:
