@@ -18,7 +18,8 @@ import torch
 log = logging.getLogger(__name__)
 
 KERNEL_DIR = Path(__file__).parent / "csrc"
-SOURCES = [KERNEL_DIR / name for name in ("cpu_kernels.c", "quant_kernels.c", "decode_layers.c")]
+SOURCES = [KERNEL_DIR / name for name in ("cpu_kernels.c", "quant_kernels.c", "decode_layers.c",
+                                                     "gated_delta.c")]
 HEADERS = [KERNEL_DIR / "work_split.h"]
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC"]
 WEIGHT_TYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
@@ -70,7 +71,9 @@ class CpuKernels:
         lib.anna_decode_layers.argtypes = [ctypes.POINTER(AnnaLayer), l, p, l, l, l, l, l, l, f, p, p, p, l, p, l, l,
                                            f, p, p, p, p, i]
         lib.anna_argmax_rows.argtypes = [p, l, l, p, i]
-        for fn in (lib.anna_gemv, lib.anna_gemv_experts, lib.anna_deinterleave_rows, lib.anna_add_rmsnorm, lib.anna_rotary, lib.anna_silu_mul,
+        lib.anna_conv_step.argtypes = [p, p, p, l, l, l, p, p, i]
+        lib.anna_gated_delta_step.argtypes = [p, p, p, p, p, p, p, l, l, l, l, p, i]
+        for fn in (lib.anna_conv_step, lib.anna_gated_delta_step, lib.anna_gemv, lib.anna_gemv_experts, lib.anna_deinterleave_rows, lib.anna_add_rmsnorm, lib.anna_rotary, lib.anna_silu_mul,
                    lib.anna_paged_decode_attention, lib.anna_qgemm, lib.anna_qgemm_experts, lib.anna_dequant,
                    lib.anna_decode_layers, lib.anna_argmax_rows):
             fn.restype = None
@@ -208,6 +211,29 @@ class CpuKernels:
         """Rotate ``heads`` heads at the start of each row of the 2-D view ``x``, in place."""
         self.lib.anna_rotary(x.data_ptr(), x.stride(0), x.shape[0], heads, head_dim, cos_table.data_ptr(),
                              sin_table.data_ptr(), positions.data_ptr())
+
+    def conv_step(self, x: torch.Tensor, conv_state: torch.Tensor, slots: torch.Tensor,
+                  weight: torch.Tensor) -> torch.Tensor:
+        """silu(causal conv) of one token per row of x [B, C], updating the rows' conv states
+        (conv_state [slots, K - 1, C], weight [K, C], both fp32) in place."""
+        x2 = x.float().contiguous()
+        out = torch.empty_like(x2)
+        batch, channels = x2.shape
+        self.lib.anna_conv_step(x2.data_ptr(), conv_state.data_ptr(), slots.contiguous().data_ptr(), batch, channels,
+                                weight.shape[0], weight.data_ptr(), out.data_ptr(), torch.get_num_threads())
+        return out
+
+    def gated_delta_step(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                         beta: torch.Tensor, state: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """One gated-delta step per row (q, k [B, H, Dk]; v [B, H, Dv]; g, beta [B, H]; fp32),
+        updating state [slots, H, Dk, Dv] in place; returns [B, H, Dv]."""
+        q, k, v, g, beta = (t.float().contiguous() for t in (q, k, v, g, beta))
+        batch, heads, dk = k.shape
+        out = torch.empty_like(v)
+        self.lib.anna_gated_delta_step(q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), beta.data_ptr(),
+                                       state.data_ptr(), slots.contiguous().data_ptr(), batch, heads, dk,
+                                       v.shape[-1], out.data_ptr(), torch.get_num_threads())
+        return out
 
     def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
                          context_lens: torch.Tensor, window: int | None, scale: float) -> torch.Tensor:

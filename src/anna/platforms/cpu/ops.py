@@ -40,7 +40,7 @@ class CpuTorchOps(ModelOps):
 
 class CpuKernelOps(CpuTorchOps):
     """Anna's C kernels: weight-streaming and packed quantized matmuls, fused norms, rotary, the
-    gated activation, paged decode attention and the greedy argmax."""
+    gated activation, paged decode attention, the Gated DeltaNet decode steps and the greedy argmax."""
 
     def __init__(self, kernels: CpuKernels, quant: QuantFormat = QuantFormat(),
                  routing: LinearRouting = LinearRouting(), profiler: Any = None) -> None:
@@ -113,6 +113,16 @@ class CpuKernelOps(CpuTorchOps):
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         return self.kernels.argmax(logits)
+
+    def conv_step(self, x: torch.Tensor, conv_state: torch.Tensor, slots: torch.Tensor,
+                  weight: torch.Tensor) -> torch.Tensor:
+        if conv_state.dtype != torch.float32 or weight.dtype != torch.float32:
+            return super().conv_step(x, conv_state, slots, weight)
+        return self.kernels.conv_step(x, conv_state, slots, weight).to(x.dtype)
+
+    def gated_delta_step(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                         beta: torch.Tensor, state: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        return self.kernels.gated_delta_step(q, k, v, g, beta, state, slots)
 
     def grouped_experts(self, moe: Any, rows: torch.Tensor, counts: list[int]) -> torch.Tensor | None:
         """Where Anna's kernels would serve every expert's matmuls (the packed quantized kernel, or
