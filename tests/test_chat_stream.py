@@ -25,6 +25,10 @@ def outputs(text: str, step: int):
                                                               "stop" if done else None)], done)
 
 
+WEATHER = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}}}}]
+
+
 def state(reasoning: str = "think") -> ServerState:
     settings = ServeSettings(reasoning_parser=reasoning, tool_call_parser="hermes").resolve(env={})
     return ServerState(settings=settings, engine=SimpleNamespace(engine=None), model_names=["m"])
@@ -37,7 +41,7 @@ def run_stream(step: int) -> list[dict]:
 
     async def collect():
         return [chunk async for chunk in chat_stream(state(), gen(), {"id": "x", "created": 0, "model": "m"}, 1,
-                                                     5, True, True, False)]
+                                                     5, WEATHER, "none", True, False)]
 
     chunks = asyncio.run(collect())
     assert chunks[-1] == "data: [DONE]\n\n"
@@ -63,13 +67,13 @@ def test_streamed_tool_calls_and_reasoning_at_every_chunk_size():
 
 
 def test_whole_message_parsing_and_finish_reason():
-    parser = ChoiceParser(state(), parse_tools=True)
+    parser = ChoiceParser(state(), WEATHER)
     reasoning, content, deltas = parser.feed(TEXT, final=True)
     assert (reasoning, content, deltas) == ("need weather", "Checking.", [])  # deltas are for streams
     assert [c.name for c in parser.calls] == ["get_weather"]
     out = CompletionOutput(0, TEXT, [1], "stop")
     assert finish_reason(out, parser) == "tool_calls"
-    plain = ChoiceParser(state(reasoning="none"), parse_tools=False)  # no tools in the request: text stays text
+    plain = ChoiceParser(state(reasoning="none"), None)  # no tools in the request: text stays text
     assert plain.feed(TEXT, final=True) == ("", TEXT, [])
     assert finish_reason(out, plain) == "stop"
     assert finish_reason(CompletionOutput(0, "x", [1], "length"), parser) == "length"

@@ -215,10 +215,15 @@ def usage(prompt_tokens: int, completion_tokens: int, cached: int) -> dict[str, 
 class ChoiceParser:
     """Splits one choice's text into reasoning, content and tool calls, whole or incrementally."""
 
-    def __init__(self, state: ServerState, parse_tools: bool, stream: bool = False) -> None:
+    def __init__(self, state: ServerState, tools: list[dict[str, Any]] | None, stream: bool = False,
+                 prompt_reasoning: str = "none") -> None:
+        """``tools``: the request's (None: no tool calls are parsed); ``prompt_reasoning``: what the
+        prompt left of a reasoning block (reasoning.prompt_reasoning)."""
         s = state.settings
-        self.reasoning = REASONING_PARSERS[s.reasoning_parser]() if s.reasoning_parser != "none" else None
-        self.tools = TOOL_PARSERS[s.tool_call_parser]() if parse_tools and s.tool_call_parser != "none" else None
+        self.reasoning = REASONING_PARSERS[s.reasoning_parser](prompt_reasoning) \
+            if s.reasoning_parser != "none" else None
+        self.tools = TOOL_PARSERS[s.tool_call_parser](tools) \
+            if tools is not None and s.tool_call_parser != "none" else None
         self.streamer = ToolCallStreamer(self.tools) if stream and self.tools is not None else None
 
     @property

@@ -30,13 +30,25 @@ THINK_FIRST = ('start: think? answer\n'
                'WS: /[ \\t\\r\\n]+/\n')
 
 
-def after_reasoning(spec: StructuredOutputsParams) -> StructuredOutputsParams:
-    """The same constraint, applied after an optional reasoning block (--reasoning-parser): JSON
-    answers and forced tool calls; regexes, choices and user grammars are left as they are."""
+# The same when the prompt itself opened <think> (Qwen3.5's template): the output starts inside it.
+THINK_OPENED = ('start: think answer\n'
+                'think: think_text WS?\n'
+                'think_text[stop="</think>"]: /(.|\\n)*/\n'
+                'WS: /[ \\t\\r\\n]+/\n')
+
+
+def after_reasoning(spec: StructuredOutputsParams, prompt: str = "none") -> StructuredOutputsParams:
+    """The same constraint, applied after an optional reasoning block (--reasoning-parser), or
+    after the rest of the one the prompt opened (``prompt``: reasoning.prompt_reasoning; a prompt
+    that closed the block leaves the answer alone): JSON answers and forced tool calls; regexes,
+    choices and user grammars are left as they are."""
+    if prompt == "closed":
+        return spec
+    head = THINK_OPENED if prompt == "open" else THINK_FIRST
     if spec.json is not None or spec.json_object:
-        return StructuredOutputsParams(grammar=THINK_FIRST + f"answer: %json {json.dumps(json_schema_of(spec))}\n")
+        return StructuredOutputsParams(grammar=head + f"answer: %json {json.dumps(json_schema_of(spec))}\n")
     if spec.grammar is not None and spec.grammar.startswith(TOOL_GRAMMAR_START):
-        return StructuredOutputsParams(grammar=THINK_FIRST + "answer" + spec.grammar[len("start"):])
+        return StructuredOutputsParams(grammar=head + "answer" + spec.grammar[len("start"):])
     return spec
 
 

@@ -1,7 +1,10 @@
 """Split ``<think>...</think>`` reasoning from the answer, whole or while streaming.
 
 Output that starts (after optional whitespace) with ``<think>`` is reasoning until ``</think>``;
-anything else is content. Text that could still turn into a tag is held back until decided.
+anything else is content. Some chat templates (Qwen3.5's) write the block's start into the
+prompt: then the output starts inside the reasoning and only ``</think>`` appears ("open"); with
+thinking turned off they write a whole empty block, and the output is the answer ("closed").
+Text that could still turn into a tag is held back until decided.
 """
 
 from __future__ import annotations
@@ -12,8 +15,10 @@ from anna.server.tool_parsers import _longest_partial_suffix
 class ThinkReasoningParser:
     START, END = "<think>", "</think>"
 
-    def __init__(self) -> None:
-        self.state = "start"  # start -> reasoning -> after_end -> content, or start -> content
+    def __init__(self, prompt: str = "none") -> None:
+        """``prompt``: what the prompt left (prompt_reasoning): none, open or closed."""
+        # start -> reasoning -> after_end -> content, or start -> content
+        self.state = {"none": "start", "open": "reasoning", "closed": "content"}[prompt]
         self.buffer = ""
 
     def feed(self, delta: str) -> tuple[str, str]:
@@ -51,6 +56,16 @@ class ThinkReasoningParser:
         if self.state == "reasoning":
             return rest, ""
         return "", rest
+
+
+def prompt_reasoning(prompt: str) -> str:
+    """What a rendered prompt leaves the output to do: "open" (it ends inside a reasoning block:
+    its last <think> is not closed), "closed" (it ends with a whole block: the output is the
+    answer), or "none" (the output may start a block of its own)."""
+    start = prompt.rfind(ThinkReasoningParser.START)
+    if start != -1 and prompt.find(ThinkReasoningParser.END, start) == -1:
+        return "open"
+    return "closed" if prompt.rstrip().endswith(ThinkReasoningParser.END) else "none"
 
 
 REASONING_PARSERS = {"think": ThinkReasoningParser, "qwen3": ThinkReasoningParser,

@@ -19,16 +19,20 @@ from anna.server.common import (ChoiceParser, ServerState, as_api_error, build_s
 from anna.server.constraints import after_reasoning, compile_constraint, forced_tool_constraint, request_constraint
 from anna.server.logprobs import chat_logprobs, vllm_prompt_logprobs
 from anna.server.protocol import APIError, ChatCompletionRequest, NamedToolChoice
+from anna.server.reasoning import prompt_reasoning
 from anna.server.text_pool import TextPool
 
 
 async def chat_prompt_ids(pool: TextPool, engine: LLMEngine, req: Any, tools: list[dict[str, Any]] | None,
-                          truncate_prompt_tokens: int | None = None) -> list[int]:
-    """The chat template rendered and tokenized off the event loop: a long conversation would
-    otherwise pause every stream for as long as it takes."""
-    def work() -> list[int]:
-        ids = engine.tokenizer.encode(render_chat_request(engine.tokenizer, req, tools), add_special_tokens=False)
-        return engine.inputs.encode_prompt(ids, truncate_prompt_tokens)[1] if truncate_prompt_tokens else ids
+                          truncate_prompt_tokens: int | None = None) -> tuple[list[int], str]:
+    """The chat template rendered and tokenized off the event loop (a long conversation would
+    otherwise pause every stream for as long as it takes), and what the rendered prompt leaves of
+    a reasoning block (reasoning.prompt_reasoning)."""
+    def work() -> tuple[list[int], str]:
+        text = render_chat_request(engine.tokenizer, req, tools)
+        ids = engine.tokenizer.encode(text, add_special_tokens=False)
+        ids = engine.inputs.encode_prompt(ids, truncate_prompt_tokens)[1] if truncate_prompt_tokens else ids
+        return ids, prompt_reasoning(text)
     return await pool.run(work)
 
 
@@ -56,21 +60,20 @@ async def serve_chat(state: ServerState, request: Request) -> Response:
                                                   state.settings.tool_call_parser)
     else:
         spec, spec_field = request_constraint(req)
-    if spec is not None and state.settings.reasoning_parser != "none":
-        spec = after_reasoning(spec)
     if req.top_logprobs and not req.logprobs:
         raise APIError(400, "top_logprobs: needs logprobs set to true", param="top_logprobs")
-    ids = await chat_prompt_ids(state.prompt_pool, engine, req, tools, req.truncate_prompt_tokens)
+    ids, reasoning = await chat_prompt_ids(state.prompt_pool, engine, req, tools, req.truncate_prompt_tokens)
+    if spec is not None and state.settings.reasoning_parser != "none":
+        spec = after_reasoning(spec, reasoning)
     top = (req.top_logprobs or 0) if req.logprobs else None
     params = build_sampling_params(state, req, len(ids), req.max_completion_tokens or req.max_tokens, top, spec,
                                    req.prompt_logprobs)
     await compile_constraint(state.prompt_pool, engine, spec, spec_field)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
-    parse_tools = tools is not None
     gen = await start_request(state, rid, ids, params)
     base = {"id": rid, "created": int(time.time()), "model": state.model_name}
     if req.stream:
-        return StreamingResponse(chat_stream(state, gen, base, params.n, len(ids), parse_tools,
+        return StreamingResponse(chat_stream(state, gen, base, params.n, len(ids), tools, reasoning,
                                              *stream_usage(req.stream_options)),
                                  media_type="text/event-stream")
     out = await run_until_done(request, final_output(gen))
@@ -78,7 +81,7 @@ async def serve_chat(state: ServerState, request: Request) -> Response:
         return Response(status_code=499)
     choices = []
     for o in out.outputs:
-        parser = ChoiceParser(state, parse_tools)
+        parser = ChoiceParser(state, tools, prompt_reasoning=reasoning)
         reasoning, content, _ = parser.feed(o.text, final=True)
         message: dict[str, Any] = {"role": "assistant", "content": content if content or not parser.calls else None}
         if parser.reasoning is not None:
@@ -96,7 +99,7 @@ async def serve_chat(state: ServerState, request: Request) -> Response:
 
 
 async def chat_stream(state: ServerState, gen: AsyncIterator[RequestOutput], base: dict[str, Any], n: int,
-                      num_prompt: int, parse_tools: bool, include_usage: bool,
+                      num_prompt: int, tools: list[dict[str, Any]] | None, reasoning: str, include_usage: bool,
                       continuous_usage: bool) -> AsyncIterator[str]:
     engine = state.core
     chunk = {**base, "object": "chat.completion.chunk"}
@@ -108,7 +111,7 @@ async def chat_stream(state: ServerState, gen: AsyncIterator[RequestOutput], bas
             data["usage"] = usage(num_prompt, sent_tokens[index], last.num_cached_tokens if last else 0)
         return sse(data)
 
-    parsers = [ChoiceParser(state, parse_tools, stream=True) for _ in range(n)]
+    parsers = [ChoiceParser(state, tools, stream=True, prompt_reasoning=reasoning) for _ in range(n)]
     sent_text = [0] * n
     done = [False] * n
     last: RequestOutput | None = None

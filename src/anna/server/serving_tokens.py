@@ -18,7 +18,7 @@ async def serve_tokenize(state: ServerState, request: Request) -> JSONResponse:
     engine = state.core
     if req.messages is not None:
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
-        ids = await chat_prompt_ids(state.tokenize_pool, engine, req, tools)
+        ids, _ = await chat_prompt_ids(state.tokenize_pool, engine, req, tools)
     elif req.prompt is not None:
         ids = await state.tokenize_pool.run(engine.tokenizer.encode, req.prompt, req.add_special_tokens)
     else:

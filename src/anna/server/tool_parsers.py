@@ -1,7 +1,10 @@
 """Tool calls in model output -> OpenAI tool_calls, whole or incrementally while streaming.
 
-The Hermes format (used by Qwen2.5/Qwen3 and Hermes models):
-``<tool_call>\n{"name": "f", "arguments": {...}}\n</tool_call>``. Text outside the tags is content.
+Two formats, both inside ``<tool_call>...</tool_call>`` tags (text outside them is content):
+- hermes (Qwen2.5/Qwen3 and Hermes models): ``<tool_call>\n{"name": "f", "arguments": {...}}\n</tool_call>``
+- qwen3_xml (Qwen3.5, Qwen3-Coder; vLLM's qwen3_coder / qwen3_xml):
+  ``<tool_call>\n<function=f>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>``;
+  a parameter's text is converted by the type its tool's schema gives it (strings stay text).
 While streaming, text that could be the start of an opening tag is held back until it is decided.
 """
 
@@ -37,14 +40,77 @@ def _longest_partial_suffix(text: str, tag: str) -> int:
     return 0
 
 
-class HermesToolParser:
+class TaggedToolParser:
+    """Calls between OPEN and CLOSE tags; subclasses read a call's body (``_parse``, ``open_call``)
+    and write the grammar that forces calls (``grammar``)."""
+
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
-    def __init__(self) -> None:
+    def __init__(self, tools: list[dict[str, Any]] | None = None) -> None:
         self.buffer = ""  # undecided text
         self.in_call = False
         self.calls: list[ParsedToolCall] = []
+        self.tools = tools or []  # OpenAI tool definitions: the parameter types, where a format needs them
 
+    @classmethod
+    def grammar(cls, tools: list[dict[str, Any]], parallel: bool) -> str:
+        raise NotImplementedError
+
+    def _parse(self, body: str) -> ParsedToolCall | None:
+        raise NotImplementedError
+
+    def open_call(self) -> tuple[str, str] | None:
+        """While inside a call: its name and the arguments text so far that is surely part of them."""
+        raise NotImplementedError
+
+    def feed(self, delta: str) -> tuple[str, list[ParsedToolCall]]:
+        """Consume new output text; return (content to emit now, tool calls completed now)."""
+        self.buffer += delta
+        content, calls = [], []
+        while True:
+            if not self.in_call:
+                after_call = bool(self.calls or calls)  # whitespace between calls is not content
+                idx = self.buffer.find(self.OPEN)
+                if idx == -1:
+                    keep = _longest_partial_suffix(self.buffer, self.OPEN)
+                    if after_call and not self.buffer[:len(self.buffer) - keep].strip():
+                        keep = len(self.buffer)
+                    content.append(self.buffer[:len(self.buffer) - keep])
+                    self.buffer = self.buffer[len(self.buffer) - keep:]
+                    break
+                if not (after_call and not self.buffer[:idx].strip()):
+                    content.append(self.buffer[:idx])
+                self.buffer = self.buffer[idx + len(self.OPEN):]
+                self.in_call = True
+            else:
+                idx = self.buffer.find(self.CLOSE)
+                if idx == -1:
+                    break
+                body = self.buffer[:idx]
+                self.buffer = self.buffer[idx + len(self.CLOSE):]
+                self.in_call = False
+                call = self._parse(body)
+                if call is None:  # not a valid call: keep the text as the model wrote it
+                    content.append(self.OPEN + body + self.CLOSE)
+                else:
+                    calls.append(call)
+        self.calls.extend(calls)
+        return "".join(content), calls
+
+    def finish(self) -> tuple[str, list[ParsedToolCall]]:
+        """End of output: an unterminated call is parsed if it is complete, else returned as text."""
+        rest, self.buffer = self.buffer, ""
+        if self.in_call:
+            self.in_call = False
+            call = self._parse(rest)
+            if call is not None:
+                self.calls.append(call)
+                return "", [call]
+            return self.OPEN + rest, []
+        return ("" if self.calls and not rest.strip() else rest), []
+
+
+class HermesToolParser(TaggedToolParser):
     @classmethod
     def grammar(cls, tools: list[dict[str, Any]], parallel: bool) -> str:
         """A Lark grammar whose sentences are calls, in this format, to these tools (OpenAI tool
@@ -108,54 +174,99 @@ class HermesToolParser:
             return None
         return name, text
 
-    def feed(self, delta: str) -> tuple[str, list[ParsedToolCall]]:
-        """Consume new output text; return (content to emit now, tool calls completed now)."""
-        self.buffer += delta
-        content, calls = [], []
-        while True:
-            if not self.in_call:
-                after_call = bool(self.calls or calls)  # whitespace between calls is not content
-                idx = self.buffer.find(self.OPEN)
-                if idx == -1:
-                    keep = _longest_partial_suffix(self.buffer, self.OPEN)
-                    if after_call and not self.buffer[:len(self.buffer) - keep].strip():
-                        keep = len(self.buffer)
-                    content.append(self.buffer[:len(self.buffer) - keep])
-                    self.buffer = self.buffer[len(self.buffer) - keep:]
-                    break
-                if not (after_call and not self.buffer[:idx].strip()):
-                    content.append(self.buffer[:idx])
-                self.buffer = self.buffer[idx + len(self.OPEN):]
-                self.in_call = True
-            else:
-                idx = self.buffer.find(self.CLOSE)
-                if idx == -1:
-                    break
-                body = self.buffer[:idx]
-                self.buffer = self.buffer[idx + len(self.CLOSE):]
-                self.in_call = False
-                call = self._parse(body)
-                if call is None:  # not a valid call: keep the text as the model wrote it
-                    content.append(self.OPEN + body + self.CLOSE)
+class Qwen3XmlToolParser(TaggedToolParser):
+    FUNCTION = re.compile(r"\s*<function=([^>\n]+)>\n?")
+    PARAMETER = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>\s*", re.S)
+    FUNCTION_END = "</function>"
+    # a string parameter's text in a forced call: free, up to the tag that closes it
+    TEXT = 'text[stop="\\n</parameter>"]: /(.|\\n)*/'
+
+    @classmethod
+    def grammar(cls, tools: list[dict[str, Any]], parallel: bool) -> str:
+        """Calls to these tools in this format, each with its required parameters (and any of its
+        optional ones) in schema order; typed parameters are JSON that follows their schema."""
+        rules = ['start: call ("\\n" call)*' if parallel else "start: call",
+                 "call: " + " | ".join(f"call{i}" for i in range(len(tools)))]
+        for i, tool in enumerate(tools):
+            fn = tool["function"]
+            schema = fn.get("parameters") or {}
+            props, required = schema.get("properties") or {}, set(schema.get("required") or [])
+            parts = []
+            for j, (key, prop) in enumerate(props.items()):
+                opening = json.dumps(f"<parameter={key}>\n")
+                choices = _text_choices(prop)
+                if choices:
+                    rules.append(f'param{i}_{j}: {opening} ({" | ".join(json.dumps(c) for c in choices)}) '
+                                 '"\\n</parameter>\\n"')
+                elif _is_text(prop):
+                    rules.append(f'param{i}_{j}: {opening} text "\\n"')
                 else:
-                    calls.append(call)
-        self.calls.extend(calls)
-        return "".join(content), calls
+                    rules.append(f'param{i}_{j}: {opening} %json {json.dumps(prop)} "\\n</parameter>\\n"')
+                parts.append(f"param{i}_{j}" + ("" if key in required else "?"))
+            head = json.dumps(f"{cls.OPEN}\n<function={fn['name']}>\n")
+            tail = json.dumps(f"{cls.FUNCTION_END}\n{cls.CLOSE}")
+            rules.append(f"call{i}: {head} {' '.join(parts)} {tail}")
+        rules.append(cls.TEXT)
+        return "\n".join(rules) + "\n"
 
-    def finish(self) -> tuple[str, list[ParsedToolCall]]:
-        """End of output: an unterminated call is parsed if it is complete JSON, else returned as text."""
-        rest, self.buffer = self.buffer, ""
-        if self.in_call:
-            self.in_call = False
-            call = self._parse(rest)
-            if call is not None:
-                self.calls.append(call)
-                return "", [call]
-            return self.OPEN + rest, []
-        return ("" if self.calls and not rest.strip() else rest), []
+    def _schemas(self, name: str) -> dict[str, Any]:
+        for tool in self.tools:
+            if tool.get("function", {}).get("name") == name:
+                return (tool["function"].get("parameters") or {}).get("properties") or {}
+        return {}
+
+    def _value(self, schema: dict[str, Any] | None, raw: str) -> Any:
+        """A parameter's text as its schema's type says (without a schema: text); text that does
+        not parse stays text."""
+        if schema is None or _is_text(schema):
+            return raw
+        try:
+            return json.loads(raw)
+        except json.JSONDecodeError:
+            return raw
+
+    def _parameters(self, name: str, text: str) -> dict[str, Any]:
+        schemas = self._schemas(name)
+        return {m.group(1).strip(): self._value(schemas.get(m.group(1).strip()), m.group(2))
+                for m in self.PARAMETER.finditer(text)}
+
+    def _parse(self, body: str) -> ParsedToolCall | None:
+        m = self.FUNCTION.match(body)
+        end = body.rfind(self.FUNCTION_END)
+        if m is None or end < m.end():
+            return None
+        args = self._parameters(m.group(1).strip(), body[m.end():end])
+        return ParsedToolCall(m.group(1).strip(), json.dumps(args, ensure_ascii=False))
+
+    def open_call(self) -> tuple[str, str] | None:
+        """The name, and the arguments JSON of the parameters complete so far, without its closing
+        brace (the final arguments are ``json.dumps`` of all of them: this is their prefix)."""
+        if not self.in_call:
+            return None
+        m = self.FUNCTION.match(self.buffer)
+        if m is None:
+            return None
+        name = m.group(1).strip()
+        args = self._parameters(name, self.buffer[m.end():])
+        return name, json.dumps(args, ensure_ascii=False)[:-1]
 
 
-TOOL_PARSERS = {"hermes": HermesToolParser}
+def _text_choices(schema: dict[str, Any]) -> list[str]:
+    """The values of an enum / const of strings (written as plain text), else none."""
+    values = schema.get("enum", [schema["const"]] if "const" in schema else [])
+    return values if values and all(isinstance(v, str) for v in values) else []
+
+
+def _is_text(schema: dict[str, Any]) -> bool:
+    """Whether a parameter is written as plain text (a string type, or an enum / const of strings)
+    rather than as JSON."""
+    kind = schema.get("type")
+    if kind is None:
+        return bool(_text_choices(schema))
+    return kind == "string" or (isinstance(kind, list) and "string" in kind)
+
+
+TOOL_PARSERS = {"hermes": HermesToolParser, "qwen3_xml": Qwen3XmlToolParser, "qwen3_coder": Qwen3XmlToolParser}
 TOOL_GRAMMAR_START = "start: call"  # how every parser's forced-call grammar begins
 
 
@@ -163,7 +274,7 @@ class ToolCallStreamer:
     """A parser's progress as OpenAI stream deltas: each call's id and name as soon as they are
     known, then its arguments piece by piece. A call in another layout is sent whole when it ends."""
 
-    def __init__(self, parser: HermesToolParser) -> None:
+    def __init__(self, parser: TaggedToolParser) -> None:
         self.parser = parser
         self.count = 0  # calls given an index so far
         self.open_index: int | None = None  # the call whose arguments are streaming
@@ -201,8 +312,9 @@ class ToolCallStreamer:
         return self.count - 1
 
 
-def parse_tool_calls(text: str, parser: str = "hermes") -> tuple[str, list[ParsedToolCall]]:
-    p = TOOL_PARSERS[parser]()
+def parse_tool_calls(text: str, parser: str = "hermes",
+                     tools: list[dict[str, Any]] | None = None) -> tuple[str, list[ParsedToolCall]]:
+    p = TOOL_PARSERS[parser](tools)
     content, calls = p.feed(text)
     rest, more = p.finish()
     return content + rest, calls + more
