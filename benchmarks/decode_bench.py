@@ -62,23 +62,25 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/decode_bench.json"))
     ap.add_argument("--label", default="anna")
     ap.add_argument("--decode-executor", default="auto", choices=["auto", "eager", "graph"])
+    ap.add_argument("--quantization", default="none", choices=["none", "int8", "int4"])
+    ap.add_argument("--max-model-len", type=int, default=4096)
     args = ap.parse_args()
 
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(3, 700, (args.prompt_tokens,), generator=g).tolist()
     results = {"machine": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
                "torch": torch.__version__, "model": args.model, "dtype": args.dtype,
-               "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens}
+               "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens, "quantization": args.quantization}
 
     llm = LLM(args.model, dtype=args.dtype, device=args.device, enable_prefix_caching=False,
-              decode_executor=args.decode_executor)
+              decode_executor=args.decode_executor, quantization=args.quantization, max_model_len=args.max_model_len)
     results["decode_executor"] = llm.llm_engine.decode_executor
     anna_run(llm, prompt, 8, "warm")
     runs = [anna_run(llm, prompt, args.new_tokens, f"r{i}") for i in range(args.repeats)]
     results["anna"] = {"prefill_tok_s": args.prompt_tokens / statistics.median(r[0] for r in runs),
                        "decode_tok_s": statistics.median(r[1] for r in runs)}
     del llm
-    if not args.no_transformers:
+    if not args.no_transformers:  # (its weights as they are: no quantized baseline)
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype)).eval()

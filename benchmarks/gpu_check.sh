@@ -15,3 +15,6 @@ for executor in eager graph; do
     --decode-executor "$executor" --out "$out/decode_$executor.json"
 done
 python benchmarks/compile_bench.py --model "$model" --out "$out/compile.json"
+hybrid=benchmarks/models/qwen3.5-0.8b
+[ -f "$hybrid/config.json" ] || python benchmarks/make_random_model.py --shape qwen3.5-0.8b --out "$hybrid"
+python benchmarks/decode_bench.py --model "$hybrid" --device cuda --out "$out/decode_qwen3_5.json"

@@ -151,3 +151,40 @@ def test_paged_decode_attention_matches_torch(kernels, window):
         v = v.repeat_interleave(heads // kv_heads, dim=1)
         weights = torch.softmax(torch.einsum("hd,lhd->hl", q[i], k) * scale, dim=-1)
         torch.testing.assert_close(got[i], torch.einsum("hl,lhd->hd", weights, v), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("norm_dtype", [torch.float32, torch.bfloat16])
+def test_gated_delta_decode_steps_match_torch(kernels, norm_dtype):
+    """The C conv step and gated-delta decode against torch's, on the states in place: three
+    sequences in scattered slots, two key heads each serving two value heads, decays strong
+    enough to leave denormal-sized state entries (which the kernel flushes)."""
+    from anna.model.config import LinearAttentionConfig
+    from anna.model.gated_delta import GatedDeltaNet, conv_step, decode_after_conv
+
+    lin = LinearAttentionConfig(("linear_attention",), num_key_heads=2, num_value_heads=4, key_head_dim=32,
+                                value_head_dim=16, conv_kernel=4)
+    layer = GatedDeltaNet(64, lin, 1e-6, norm_dtype, torch.float32)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        layer.A_log.copy_(torch.rand(4, generator=g) * 4)
+        layer.dt_bias.copy_(torch.randn(4, generator=g))
+        layer.norm.weight.copy_(1 + 0.1 * torch.randn(16, generator=g))
+        layer.conv_weight.copy_(torch.randn(4, lin.conv_dim, generator=g))
+    slots = torch.tensor([5, 0, 2])
+    conv_state = torch.randn(6, 3, lin.conv_dim, generator=g)
+    state = torch.randn(6, 4, 32, 16, generator=g) * 0.1
+    state[0, 1] *= 1e-37  # a head whose memory has decayed to the denormal range
+    mixed = torch.randn(3, lin.conv_dim, generator=g)
+    z, ba = torch.randn(3, 64, generator=g), torch.randn(3, 8, generator=g) * 3
+    ref_conv, ref_state = conv_state.clone(), state.clone()
+    conved_ref = conv_step(mixed, ref_conv, slots, layer.conv_weight)
+    conved = kernels.conv_step(mixed, conv_state, slots, layer.conv_weight)
+    torch.testing.assert_close(conved, conved_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(conv_state, ref_conv)
+    ref = decode_after_conv(layer, conved_ref, z, ba, ref_state, slots)
+    out = kernels.gated_delta_decode(conved, z, ba, state, slots, layer.A_log, layer.dt_bias, layer.norm.weight,
+                                     layer.norm.eps, lin.num_key_heads)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(state, ref_state, rtol=1e-4, atol=1e-6)
+    untouched = [1, 3, 4]
+    assert torch.equal(state[untouched], ref_state[untouched])

@@ -18,7 +18,8 @@ pytestmark = [pytest.mark.cuda,
 PROMPT = [(i * 37 + 11) % 700 + 3 for i in range(40)]
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "llama3", "mistral_swa", "qwen3_moe", "qwen2_moe"])
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "llama3", "mistral_swa", "qwen3_moe", "qwen2_moe", "qwen3_5",
+                                  "qwen3_5_moe", "qwen3_next"])
 def test_cuda_float32_logits_match_transformers(arch, hf_models, cache_dir):
     model, path = hf_models[arch]
     engine = LLMEngine(engine_settings(path, cache_dir, device="cuda"), show_progress=False)

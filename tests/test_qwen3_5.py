@@ -229,3 +229,15 @@ def test_memory_plan_counts_kv_of_full_attention_layers_and_state_per_sequence(h
     assert recurrent_tensor.shape == (13, 4, 16, 16) and recurrent_tensor.dtype == torch.float32
     text = plan.describe(512)
     assert "state snapshots for prefix reuse: 5" in text and "max concurrency at max_model_len=512" in text
+
+
+def test_graph_decode_asked_for_runs_eager_and_says_why(hf_models, cache_dir, caplog):
+    """The fused CPU decode stack and captured graphs serve no state layers yet: asked for, the
+    engine warns once with the reason and decodes layer by layer (the C decode steps)."""
+    model, path = hf_models["qwen3_5"]
+    with caplog.at_level(logging.WARNING):
+        engine = LLMEngine(engine_settings(path, cache_dir, decode_executor="graph"), show_progress=False)
+    assert engine.runner.decode_executor is None
+    assert any("Gated DeltaNet" in r.message for r in caplog.records)
+    _, tokens = run_logits(engine, LONG[:20], 4)
+    assert tokens == hf_greedy(model, LONG[:20], 5)

@@ -158,36 +158,51 @@ class GatedDeltaNet(nn.Module):
                 "A_log": partial(_load_vector, self.A_log), "dt_bias": partial(_load_vector, self.dt_bias)}
 
     def forward(self, x: torch.Tensor, state: dict[str, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
-        lin, ops = self.lin, self.ops
-        t, heads = x.shape[0], lin.num_value_heads
+        ops, t = self.ops, x.shape[0]
         mixed, z = self.in_proj(x).split(self.split, dim=-1)
-        b, a = self.in_proj_ba(x).chunk(2, dim=-1)
+        ba = self.in_proj_ba(x)
         slots, nd = meta.state_slots, meta.num_decode_tokens
-        conv_state, recurrent = state["conv"], state["recurrent"]
-        with ops.region("conv"):
-            conved = torch.empty_like(mixed)
-            if nd:
-                conved[:nd] = ops.conv_step(mixed[:nd], conv_state, slots[:nd], self.conv_weight)
-            for j, chunk in enumerate(meta.prefills):
-                sl = slice(chunk.query_start, chunk.query_start + chunk.query_len)
-                conved[sl] = conv_prefill(mixed[sl], conv_state, slots[nd + j], self.conv_weight)
+        out = x.new_empty(t, self.lin.value_dim)
+        if nd:  # one token each: the platform's decode steps, on the states in place
+            with ops.region("conv"):
+                conved = ops.conv_step(mixed[:nd], state["conv"], slots[:nd], self.conv_weight)
+            with ops.region("gated_delta"):
+                out[:nd] = ops.gated_delta_decode(self, conved, z[:nd], ba[:nd], state["recurrent"], slots[:nd])
+        for j, chunk in enumerate(meta.prefills):
+            sl = slice(chunk.query_start, chunk.query_start + chunk.query_len)
+            out[sl] = self._prefill(mixed[sl], z[sl], ba[sl], state, slots[nd + j])
+        return self.out_proj(out)
+
+    def _prefill(self, mixed: torch.Tensor, z: torch.Tensor, ba: torch.Tensor, state: dict[str, torch.Tensor],
+                 slot: torch.Tensor) -> torch.Tensor:
+        """A chunk of one sequence, from the state its slot holds (left at the chunk's end)."""
+        with self.ops.region("conv"):
+            conved = conv_prefill(mixed, state["conv"], slot, self.conv_weight)
+        with self.ops.region("gated_delta"):
+            q, k, v, g, beta = self.gates(conved, ba)
+            out, state["recurrent"][slot] = chunked_gated_delta(q, k, v, g, beta, state["recurrent"][slot])
+            return self.norm(out.to(mixed.dtype), z.reshape(*out.shape[:2], -1)).reshape(out.shape[0], -1)
+
+    def gates(self, conved: torch.Tensor, ba: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """From the conv's output and b/a (fp32): q (L2-normalised, scaled by key_dim ** -0.5) and
+        k, each key head repeated over its value heads, v, the log decay g and beta."""
+        lin, t = self.lin, conved.shape[0]
+        heads = lin.num_value_heads
         q, k, v = conved.float().split([lin.key_dim, lin.key_dim, lin.value_dim], dim=-1)
         repeat = heads // lin.num_key_heads  # each key head serves `repeat` consecutive value heads
         q = (l2_normalize(q.view(t, lin.num_key_heads, -1)) * lin.key_head_dim ** -0.5).repeat_interleave(repeat, 1)
         k = l2_normalize(k.view(t, lin.num_key_heads, -1)).repeat_interleave(repeat, 1)
-        v = v.view(t, heads, -1)
-        beta = torch.sigmoid(b.float())
-        g = -self.A_log.exp() * F.softplus(a.float() + self.dt_bias)
-        with ops.region("gated_delta"):
-            out = torch.empty_like(v)
-            if nd:
-                out[:nd] = ops.gated_delta_step(q[:nd], k[:nd], v[:nd], g[:nd], beta[:nd], recurrent, slots[:nd])
-            for j, chunk in enumerate(meta.prefills):
-                sl = slice(chunk.query_start, chunk.query_start + chunk.query_len)
-                slot = slots[nd + j]
-                out[sl], recurrent[slot] = chunked_gated_delta(q[sl], k[sl], v[sl], g[sl], beta[sl], recurrent[slot])
-        out = self.norm(out.to(x.dtype), z.reshape(t, heads, -1))
-        return self.out_proj(out.reshape(t, -1))
+        b, a = ba.float().chunk(2, dim=-1)
+        g = -self.A_log.exp() * F.softplus(a + self.dt_bias)
+        return q, k, v.view(t, heads, -1), g, torch.sigmoid(b)
+
+
+def decode_after_conv(layer: GatedDeltaNet, conved: torch.Tensor, z: torch.Tensor, ba: torch.Tensor,
+                      state: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """torch's version of ``ops.gated_delta_decode``: gates, one delta step per row, gated norm."""
+    q, k, v, g, beta = layer.gates(conved, ba)
+    out = gated_delta_step(q, k, v, g, beta, state, slots)
+    return layer.norm(out.to(conved.dtype), z.reshape(*out.shape[:2], -1)).reshape(out.shape[0], -1)
 
 
 def _load_conv_weight(param: torch.Tensor, tensor: torch.Tensor, name: str, where: str) -> None:

@@ -127,12 +127,13 @@ class ModelOps:
 
         return conv_step(x, conv_state, slots, weight)
 
-    def gated_delta_step(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                         beta: torch.Tensor, state: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        """One step of the gated delta rule per sequence, updating the sequences' states."""
-        from anna.model.gated_delta import gated_delta_step
+    def gated_delta_decode(self, layer: Any, conved: torch.Tensor, z: torch.Tensor, ba: torch.Tensor,
+                           state: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """A Gated DeltaNet layer's decode after its conv, one token per sequence: the gates, one
+        step of the delta rule (updating the sequences' states), the gated norm."""
+        from anna.model.gated_delta import decode_after_conv
 
-        return gated_delta_step(q, k, v, g, beta, state, slots)
+        return decode_after_conv(layer, conved, z, ba, state, slots)
 
     def grouped_experts(self, moe: Any, rows: torch.Tensor, counts: list[int]) -> torch.Tensor | None:
         """Every chosen expert over its rows (grouped by expert, ``counts`` each) in one call per

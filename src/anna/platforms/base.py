@@ -138,10 +138,12 @@ def linear_routing(cpu: Any) -> LinearRouting:
     return LinearRouting(cpu.cpu_gemv_max_rows, cpu.cpu_upcast_min_rows, cpu.int4_matmul, cpu.int4_gemv_m_threshold)
 
 
-def no_graph_reason(profiling: bool, moe: bool) -> str | None:
+def no_graph_reason(profiling: bool, model: Any) -> str | None:
     """Why no decode graph may run whatever the device, or None."""
     if profiling:
         return "--profile-runtime times each op"
-    if moe:
+    if getattr(model.config, "moe", None) is not None:
         return "mixture-of-experts layers choose their experts on the host each step"
+    if getattr(model.config, "linear_attention", None) is not None:
+        return "per-sequence state layers (Gated DeltaNet) are not captured"
     return None

@@ -115,6 +115,9 @@ class CpuPlatform(Platform):
         from anna.platforms.cpu.kernels import build_cpu_kernels
         from anna.platforms.cpu.ops import CpuKernelOps, CpuTorchOps
 
+        # Denormal floats flush to zero: x86 computes on them ~10-100x slower, and decays (Gated
+        # DeltaNet's exp of a running sum) make them in bulk; below 1.2e-38 they change no logit.
+        torch.set_flush_denormal(True)
         kernels = build_cpu_kernels(cache_dir, cpu.cpu_kernel_compiler) if cpu.cpu_kernels else None
         log.info("CPU kernels: %s", f"Anna's (matmuls up to M={cpu.cpu_gemv_max_rows})" if kernels else "torch's")
         if kernels is None:
@@ -135,7 +138,7 @@ class CpuPlatform(Platform):
             return None
         from anna.platforms.cpu.fused_decode import FusedDecodeExecutor
 
-        why = no_graph_reason(profiling, getattr(model.config, "moe", None) is not None)
+        why = no_graph_reason(profiling, model)
         if why is None and ops.kernels is None:
             why = "needs Anna's CPU kernels"
         if why is None and not FusedDecodeExecutor.supports(model):

@@ -72,8 +72,8 @@ class CpuKernels:
                                            f, p, p, p, p, i]
         lib.anna_argmax_rows.argtypes = [p, l, l, p, i]
         lib.anna_conv_step.argtypes = [p, p, p, l, l, l, p, p, i]
-        lib.anna_gated_delta_step.argtypes = [p, p, p, p, p, p, p, l, l, l, l, p, i]
-        for fn in (lib.anna_conv_step, lib.anna_gated_delta_step, lib.anna_gemv, lib.anna_gemv_experts, lib.anna_deinterleave_rows, lib.anna_add_rmsnorm, lib.anna_rotary, lib.anna_silu_mul,
+        lib.anna_gated_delta_decode.argtypes = [p, p, p, p, p, p, p, p, i, f, l, l, l, l, l, p, i]
+        for fn in (lib.anna_conv_step, lib.anna_gated_delta_decode, lib.anna_gemv, lib.anna_gemv_experts, lib.anna_deinterleave_rows, lib.anna_add_rmsnorm, lib.anna_rotary, lib.anna_silu_mul,
                    lib.anna_paged_decode_attention, lib.anna_qgemm, lib.anna_qgemm_experts, lib.anna_dequant,
                    lib.anna_decode_layers, lib.anna_argmax_rows):
             fn.restype = None
@@ -223,16 +223,19 @@ class CpuKernels:
                                 weight.shape[0], weight.data_ptr(), out.data_ptr(), torch.get_num_threads())
         return out
 
-    def gated_delta_step(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                         beta: torch.Tensor, state: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        """One gated-delta step per row (q, k [B, H, Dk]; v [B, H, Dv]; g, beta [B, H]; fp32),
-        updating state [slots, H, Dk, Dv] in place; returns [B, H, Dv]."""
-        q, k, v, g, beta = (t.float().contiguous() for t in (q, k, v, g, beta))
-        batch, heads, dk = k.shape
-        out = torch.empty_like(v)
-        self.lib.anna_gated_delta_step(q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), beta.data_ptr(),
-                                       state.data_ptr(), slots.contiguous().data_ptr(), batch, heads, dk,
-                                       v.shape[-1], out.data_ptr(), torch.get_num_threads())
+    def gated_delta_decode(self, conved: torch.Tensor, z: torch.Tensor, ba: torch.Tensor, state: torch.Tensor,
+                           slots: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor, norm_weight: torch.Tensor,
+                           eps: float, key_heads: int) -> torch.Tensor:
+        """A Gated DeltaNet layer's decode after its conv (csrc/gated_delta.c): conved [B, q | k | v],
+        z [B, heads * dv], ba [B, b | a] (fp32), state [slots, heads, dk, dv] updated in place;
+        returns the gated-norm output [B, heads * dv]."""
+        conved, z, ba = (t.float().contiguous() for t in (conved, z, ba))
+        _, heads, dk, dv = state.shape
+        out = torch.empty(conved.shape[0], heads * dv, dtype=torch.float32)
+        self.lib.anna_gated_delta_decode(
+            conved.data_ptr(), z.data_ptr(), ba.data_ptr(), state.data_ptr(), slots.contiguous().data_ptr(),
+            a_log.data_ptr(), dt_bias.data_ptr(), norm_weight.data_ptr(), WEIGHT_TYPES[norm_weight.dtype], eps,
+            conved.shape[0], key_heads, heads, dk, dv, out.data_ptr(), torch.get_num_threads())
         return out
 
     def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,

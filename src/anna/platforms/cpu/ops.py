@@ -120,9 +120,11 @@ class CpuKernelOps(CpuTorchOps):
             return super().conv_step(x, conv_state, slots, weight)
         return self.kernels.conv_step(x, conv_state, slots, weight).to(x.dtype)
 
-    def gated_delta_step(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                         beta: torch.Tensor, state: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        return self.kernels.gated_delta_step(q, k, v, g, beta, state, slots)
+    def gated_delta_decode(self, layer: Any, conved: torch.Tensor, z: torch.Tensor, ba: torch.Tensor,
+                           state: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        return self.kernels.gated_delta_decode(conved, z, ba, state, slots, layer.A_log, layer.dt_bias,
+                                               layer.norm.weight, layer.norm.eps,
+                                               layer.lin.num_key_heads).to(conved.dtype)
 
     def grouped_experts(self, moe: Any, rows: torch.Tensor, counts: list[int]) -> torch.Tensor | None:
         """Where Anna's kernels would serve every expert's matmuls (the packed quantized kernel, or

@@ -25,7 +25,7 @@ class CudaPlatform(Platform):
         """Captured graphs when asked for (auto stays eager until a GPU measurement says otherwise)."""
         if choice != "graph":
             return None
-        why = no_graph_reason(profiling, model.config.moe is not None)
+        why = no_graph_reason(profiling, model)
         if why is not None:
             log.warning("decode_executor=graph: %s; running eager", why)
             return None

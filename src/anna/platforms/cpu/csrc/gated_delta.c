@@ -5,8 +5,9 @@
  * Conv: state [slots, K - 1, C] (time first), weight [K, C], out = silu(sum_j window[j] * w[j]).
  * Gated delta rule, per sequence and value head, S [Dk, Dv] fp32:
  *   S *= exp(g); err = v - S^T k; S += k (beta err)^T; out = S^T q
- * done as two sweeps over S: the first reads S^T k, the second updates S and accumulates S^T q.
- * All tensors are fp32 and contiguous; slots are int64. */
+ * done as two sweeps over S: the first reads S^T k, the second updates S and accumulates S^T q;
+ * anna_gated_delta_decode also does the gates before it and the gated norm after it.
+ * All tensors are fp32 and contiguous unless said; slots are int64. */
 #include <immintrin.h>
 #include <math.h>
 #include <omp.h>
@@ -39,23 +40,57 @@ void anna_conv_step(const float *x, float *state, const int64_t *slots, long bat
     }
 }
 
-void anna_gated_delta_step(const float *q, const float *k, const float *v, const float *g, const float *beta,
-                           float *state, const int64_t *slots, long batch, long heads, long dk, long dv, float *out,
-                           int threads) {
+static inline float load_weight(const void *w, int wtype, long i) {
+    if (wtype == 2) return ((const float *)w)[i];
+    uint16_t bits = ((const uint16_t *)w)[i];
+    if (wtype == 0) {
+        uint32_t u = (uint32_t)bits << 16;
+        float f;
+        memcpy(&f, &u, sizeof f);
+        return f;
+    }
+    return _cvtsh_ss(bits);
+}
+
+static inline float l2_inverse(const float *x, long n) {
+    float sum = 0.0f;
+    for (long i = 0; i < n; i++) sum += x[i] * x[i];
+    return 1.0f / sqrtf(sum + 1e-6f);
+}
+
+static inline float softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
+
+/* The rest of a Gated DeltaNet layer's decode after its conv, per sequence and value head:
+ * q, k (of the key head serving it) L2-normalised, q scaled by dk^-1/2; beta = sigmoid(b),
+ * g = -exp(A_log) * softplus(a + dt_bias); the delta rule on the state slot, in place; then the
+ * output's RMSNorm times the norm weight times silu(z).
+ * conved [B, 2 * key_heads * dk + heads * dv] (q | k | v), z [B, heads * dv], ba [B, 2 * heads]
+ * (b | a), state [slots, heads, dk, dv], out [B, heads * dv]. */
+void anna_gated_delta_decode(const float *conved, const float *z, const float *ba, float *state,
+                             const int64_t *slots, const float *a_log, const float *dt_bias, const void *norm_weight,
+                             int norm_wtype, float eps, long batch, long key_heads, long heads, long dk, long dv,
+                             float *out, int threads) {
+    long channels = 2 * key_heads * dk + heads * dv, repeat = heads / key_heads;
+    float q_scale = 1.0f / sqrtf((float)dk);
     #pragma omp parallel for num_threads(threads) collapse(2) schedule(static)
     for (long b = 0; b < batch; b++) {
         for (long h = 0; h < heads; h++) {
+            _mm_setcsr(_mm_getcsr() | 0x8040);  /* flush denormals: decayed states would crawl through them */
+            const float *row = conved + b * channels;
+            const float *kq = row + (h / repeat) * dk, *kk = row + key_heads * dk + (h / repeat) * dk;
+            const float *vh = row + 2 * key_heads * dk + h * dv;
+            float qh[dk], kh[dk], err[dv];
+            float qn = l2_inverse(kq, dk) * q_scale, kn = l2_inverse(kk, dk);
+            for (long i = 0; i < dk; i++) { qh[i] = kq[i] * qn; kh[i] = kk[i] * kn; }
+            float bt = 1.0f / (1.0f + expf(-ba[b * 2 * heads + h]));
+            float decay = expf(-expf(a_log[h]) * softplus(ba[b * 2 * heads + heads + h] + dt_bias[h]));
             float *s = state + (slots[b] * heads + h) * dk * dv;
-            const float *qh = q + (b * heads + h) * dk, *kh = k + (b * heads + h) * dk;
-            const float *vh = v + (b * heads + h) * dv;
-            float *restrict oh = out + (b * heads + h) * dv;
-            float decay = expf(g[b * heads + h]), bt = beta[b * heads + h];
-            float err[dv];
+            float *restrict oh = out + b * heads * dv + h * dv;
             for (long j = 0; j < dv; j++) err[j] = 0.0f;
             for (long i = 0; i < dk; i++) {  /* err = (S^T k), still undecayed */
                 float ki = kh[i];
-                const float *row = s + i * dv;
-                for (long j = 0; j < dv; j++) err[j] += row[j] * ki;
+                const float *srow = s + i * dv;
+                for (long j = 0; j < dv; j++) err[j] += srow[j] * ki;
             }
             for (long j = 0; j < dv; j++) {
                 err[j] = bt * (vh[j] - decay * err[j]);
@@ -63,13 +98,19 @@ void anna_gated_delta_step(const float *q, const float *k, const float *v, const
             }
             for (long i = 0; i < dk; i++) {
                 float ki = kh[i], qi = qh[i];
-                float *restrict row = s + i * dv;
+                float *restrict srow = s + i * dv;
                 for (long j = 0; j < dv; j++) {
-                    float updated = decay * row[j] + ki * err[j];
-                    row[j] = updated;
+                    float updated = decay * srow[j] + ki * err[j];
+                    srow[j] = updated;
                     oh[j] += updated * qi;
                 }
             }
+            float var = 0.0f;
+            for (long j = 0; j < dv; j++) var += oh[j] * oh[j];
+            float inv = 1.0f / sqrtf(var / (float)dv + eps);
+            const float *zh = z + b * heads * dv + h * dv;
+            for (long j = 0; j < dv; j++)
+                oh[j] = oh[j] * inv * load_weight(norm_weight, norm_wtype, j) * silu(zh[j]);
         }
     }
 }
