@@ -62,11 +62,13 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--prefix-tokens", type=int, default=2000)
+    ap.add_argument("--quantization", default="none", choices=["none", "int8", "int4"])
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/throughput_bench.json"))
     args = ap.parse_args()
 
     levels = [int(c) for c in args.concurrency.split(",")]
-    llm = LLM(args.model, dtype=args.dtype, max_num_seqs=max(levels), max_model_len=4096)
+    llm = LLM(args.model, dtype=args.dtype, max_num_seqs=max(levels), max_model_len=4096,
+              quantization=args.quantization)
     engine = llm.llm_engine
     g = torch.Generator().manual_seed(0)
 
@@ -75,7 +77,7 @@ def main() -> None:
 
     run_group(engine, [rand(args.prompt_tokens)], 8, "warm")
     results: dict = {"machine": platform.machine(), "threads": torch.get_num_threads(), "torch": torch.__version__,
-                     "model": args.model, "dtype": args.dtype, "concurrency": {}}
+                     "model": args.model, "dtype": args.dtype, "quantization": args.quantization, "concurrency": {}}
     for c in levels:
         results["concurrency"][c] = run_group(engine, [rand(args.prompt_tokens) for _ in range(c)],
                                               args.new_tokens, f"c{c}")

@@ -130,3 +130,31 @@ def test_load_mode_and_compare(live_server, key_file, tmp_path, capsys):
     table = capsys.readouterr().out
     assert "| metric | load | load |" in table and "weighted_throughput" in table
     assert sorted(p.name for p in plots.glob("*.png")) == ["decode_speed.png", "throughput.png", "ttft.png"]
+
+
+def test_output_hash_covers_reasoning_as_well_as_content():
+    """Two streams with the same answer and different reasoning have different hashes; the
+    answer alone is what checks read."""
+    import asyncio
+
+    import httpx
+
+    from anna.bench.client import BenchClient
+
+    def stream(reasoning: str) -> bytes:
+        chunks = [{"choices": [{"delta": {"reasoning_content": reasoning}}]},
+                  {"choices": [{"delta": {"content": "42"}, "finish_reason": "stop"}]}]
+        return "".join(f"data: {json.dumps(c)}\n\n" for c in chunks).encode() + b"data: [DONE]\n\n"
+
+    async def run(reasoning: str):
+        client = BenchClient("http://test", "m")
+        client.http = httpx.AsyncClient(base_url="http://test", transport=httpx.MockTransport(
+            lambda request: httpx.Response(200, content=stream(reasoning))))
+        try:
+            return await client.chat("s", [{"role": "user", "content": "q"}], 8)
+        finally:
+            await client.close()
+
+    first, second, again = (asyncio.run(run(r)) for r in ("think A", "think B", "think A"))
+    assert first.extra["output_text"] == second.extra["output_text"] == "42"
+    assert first.output_hash != second.output_hash and first.output_hash == again.output_hash

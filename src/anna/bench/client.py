@@ -74,6 +74,7 @@ class BenchClient:
         rec = RequestRecord(scenario=scenario, start=time.perf_counter())
         rec.extra["output_text"] = ""
         text: list[str] = []
+        thought: list[str] = []
         try:
             async with self.http.stream("POST", "/v1/chat/completions", json=body) as resp:
                 if resp.status_code != 200:
@@ -103,13 +104,16 @@ class BenchClient:
                         if content:
                             rec.first_content = rec.first_content or now
                             text.append(content)
+                        thought.append(reasoning)
                         if choice.get("finish_reason"):
                             rec.finish_reason = choice["finish_reason"]
         except (httpx.HTTPError, json.JSONDecodeError) as exc:
             rec.error = f"{type(exc).__name__}: {exc}"
         rec.end = time.perf_counter()
         output = "".join(text)
-        rec.output_hash = hashlib.sha256(output.encode()).hexdigest()[:16]
+        # the full output: reasoning and answer (two runs that think differently differ)
+        full = json.dumps(["".join(thought), output], ensure_ascii=False)
+        rec.output_hash = hashlib.sha256(full.encode()).hexdigest()[:16]
         rec.extra["output_text"] = output  # used for checks, dropped from results
         rec.ok = rec.error is None and rec.finish_reason is not None
         return rec

@@ -70,7 +70,7 @@ def gated_delta_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
                      state: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """One token per sequence (fp32): q, k [B, H, Dk]; v [B, H, Dv]; g, beta [B, H]; state [slots,
     H, Dk, Dv] (updated). Returns [B, H, Dv]."""
-    s = state[slots] * g.exp()[..., None, None]
+    s = state[slots] * _exp(g)[..., None, None]
     error = v - torch.einsum("bhkv,bhk->bhv", s, k)
     s = s + k.unsqueeze(-1) * (beta.unsqueeze(-1) * error).unsqueeze(-2)
     state[slots] = s
@@ -99,16 +99,16 @@ def chunked_gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
     q, k, v, g, beta = blocks(q), blocks(k), blocks(v), blocks(g), blocks(beta)
     cum = g.cumsum(-1)  # [H, n, c]
     lower = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
-    decay = (cum.unsqueeze(-1) - cum.unsqueeze(-2)).masked_fill(~lower, float("-inf")).exp()  # [H, n, c, c]
+    decay = _exp((cum.unsqueeze(-1) - cum.unsqueeze(-2)).masked_fill(~lower, float("-inf")))  # [H, n, c, c]
     k_beta = k * beta.unsqueeze(-1)
     system = (k_beta @ k.transpose(-1, -2)) * decay  # unit lower triangular: the diagonal is ignored
     u0 = torch.linalg.solve_triangular(system, v * beta.unsqueeze(-1), upper=False, unitriangular=True)
-    w = torch.linalg.solve_triangular(system, k_beta * cum.exp().unsqueeze(-1), upper=False, unitriangular=True)
+    w = torch.linalg.solve_triangular(system, k_beta * _exp(cum).unsqueeze(-1), upper=False, unitriangular=True)
     inner = (q @ k.transpose(-1, -2)) * decay  # attention within the chunk, causal
-    q_decayed = q * cum.exp().unsqueeze(-1)  # reads the state as it was when the chunk began
+    q_decayed = q * _exp(cum).unsqueeze(-1)  # reads the state as it was when the chunk began
     last = cum[..., -1:]
-    k_decayed = k * (last - cum).exp().unsqueeze(-1)  # each token's write, decayed to the chunk's end
-    chunk_decay = last.exp().unsqueeze(-1)  # [H, n, 1, 1]
+    k_decayed = k * _exp(last - cum).unsqueeze(-1)  # each token's write, decayed to the chunk's end
+    chunk_decay = _exp(last).unsqueeze(-1)  # [H, n, 1, 1]
     out = torch.empty_like(u0)
     s = initial.to(torch.float32)
     for i in range(n):
@@ -116,6 +116,13 @@ def chunked_gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
         out[:, i] = q_decayed[:, i] @ s + inner[:, i] @ u
         s = s * chunk_decay[:, i] + k_decayed[:, i].transpose(-1, -2) @ u
     return out.reshape(heads, n * chunk, -1)[:, :length].transpose(0, 1), s
+
+
+def _exp(x: torch.Tensor) -> torch.Tensor:
+    """exp, with exactly 0 below e^-60 (1e-26, far below what an fp32 sum can see): decays of a
+    running sum underflow into denormals otherwise, on which x86 arithmetic is 10-100x slower,
+    and the matmuls that read them with it."""
+    return x.masked_fill(x < -30.0, float("-inf")).exp()
 
 
 def l2_normalize(x: torch.Tensor) -> torch.Tensor:

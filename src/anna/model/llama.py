@@ -19,9 +19,9 @@ from anna.model.attention import AttentionMetadata, paged_attention
 from anna.model.cache_spec import AttentionSpec, CacheSpec
 from anna.model.causal_lm import CausalLM
 from anna.model.config import ModelConfig
-from anna.model.layers import GatedMLP, RMSNorm, RopeBatch, RotaryEmbedding
+from anna.model.layers import RMSNorm, RopeBatch, RotaryEmbedding
 from anna.model.linear import make_linear
-from anna.model.moe import SparseMoE
+from anna.model.moe import decoder_mlp
 from anna.model.ops import TORCH_OPS, ModelOps
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -63,11 +63,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
         self.self_attn = Attention(cfg, dtype, ops)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
-        self.mlp: GatedMLP | SparseMoE
-        if cfg.moe is not None and cfg.moe.sparse_layers[index]:
-            self.mlp = SparseMoE(cfg.hidden_size, cfg.moe, cfg.mlp_bias, cfg.hidden_act, dtype, ops)
-        else:
-            self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, cfg.hidden_act, dtype, ops)
+        self.mlp = decoder_mlp(cfg, index, dtype, ops)
 
     def forward(self, rope: RopeBatch, hidden: torch.Tensor, residual: torch.Tensor | None, kv_cache: KVCache,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from anna.model.config import MoeConfig
+from anna.model.config import ModelConfig, MoeConfig
 from anna.model.layers import GatedMLP
 from anna.model.linear import Linear
 from anna.model.ops import TORCH_OPS, ModelOps
@@ -75,3 +75,10 @@ class SparseMoE(nn.Module):
                 start += count
         y = y * weights.flatten()[order, None]
         return torch.zeros_like(x).index_add_(0, tokens, y.to(x.dtype))
+
+
+def decoder_mlp(cfg: ModelConfig, index: int, dtype: torch.dtype, ops: ModelOps = TORCH_OPS) -> GatedMLP | SparseMoE:
+    """Layer ``index``'s MLP: experts where the config makes it sparse, else the dense gated MLP."""
+    if cfg.moe is not None and cfg.moe.sparse_layers[index]:
+        return SparseMoE(cfg.hidden_size, cfg.moe, cfg.mlp_bias, cfg.hidden_act, dtype, ops)
+    return GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, cfg.hidden_act, dtype, ops)

@@ -26,9 +26,9 @@ from anna.model.cache_spec import AttentionSpec, CacheSpec
 from anna.model.causal_lm import STACKED_PARAMS, CausalLM, Loader
 from anna.model.config import LinearAttentionConfig, ModelConfig
 from anna.model.gated_delta import GatedDeltaNet, state_spec
-from anna.model.layers import GatedMLP, RopeBatch, RotaryEmbedding, ZeroCenteredRMSNorm
+from anna.model.layers import RopeBatch, RotaryEmbedding, ZeroCenteredRMSNorm
 from anna.model.linear import Linear, QuantLinear, check_shape, make_linear
-from anna.model.moe import SparseMoE
+from anna.model.moe import decoder_mlp
 from anna.model.ops import TORCH_OPS, ModelOps, apply_rotary
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -85,11 +85,7 @@ class HybridDecoderLayer(nn.Module):
         else:
             self.self_attn = GatedAttention(cfg, dtype, ops)
         self.post_attention_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
-        self.mlp: GatedMLP | SparseMoE
-        if cfg.moe is not None and cfg.moe.sparse_layers[index]:
-            self.mlp = SparseMoE(cfg.hidden_size, cfg.moe, cfg.mlp_bias, cfg.hidden_act, dtype, ops)
-        else:
-            self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, cfg.hidden_act, dtype, ops)
+        self.mlp = decoder_mlp(cfg, index, dtype, ops)
 
     def forward(self, rope: RopeBatch, hidden: torch.Tensor, residual: torch.Tensor | None, cache,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:

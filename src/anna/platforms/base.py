@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable
+from contextlib import nullcontext
+from typing import Any, Callable, ContextManager
 
 import torch
 
@@ -56,6 +57,10 @@ class Platform:
     def memory_info(self) -> MemoryInfo:
         free, total = self._backend().mem_get_info(self.device)
         return MemoryInfo(free, total)
+
+    def numerics(self) -> ContextManager:
+        """The floating-point mode a forward pass runs in (CPU: denormals flushed), restored after."""
+        return nullcontext()
 
     def synchronize(self) -> None:
         self._backend().synchronize(self.device)

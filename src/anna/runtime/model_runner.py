@@ -154,9 +154,10 @@ class ModelRunner:
                     for tensor in cache.values():
                         tensor.index_fill_(0, inputs.fresh_state_slots, 0)
         executor = self.decode_executor
-        if executor is not None and executor.applies(inputs.meta, inputs.input_ids.shape[0], self.layer_caches):
-            return executor.run(inputs.input_ids, inputs.positions, self.layer_caches, inputs.meta)
-        return self.model_forward(inputs.input_ids, inputs.positions, self.layer_caches, inputs.meta)
+        with self.platform.numerics():
+            if executor is not None and executor.applies(inputs.meta, inputs.input_ids.shape[0], self.layer_caches):
+                return executor.run(inputs.input_ids, inputs.positions, self.layer_caches, inputs.meta)
+            return self.model_forward(inputs.input_ids, inputs.positions, self.layer_caches, inputs.meta)
 
     def _slots(self, request_id: str, num_tokens: int) -> torch.Tensor:
         bs = self.kv.block_size

@@ -4,12 +4,14 @@ its decode executor."""
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import ctypes
 import ctypes.util
 import logging
 import mmap
 import os
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -60,6 +62,17 @@ class CpuPlatform(Platform):
 
     def memory_info(self) -> MemoryInfo:
         return read_host_memory()
+
+    @contextmanager
+    def numerics(self) -> Iterator[None]:
+        """Denormal floats flush to zero while the model runs: x86 computes on them 10-100x slower,
+        and decays (Gated DeltaNet's exp of a running sum) make them in bulk; below 1.2e-38 they
+        change no logit. Process-wide state, so it is set for the forward pass only."""
+        torch.set_flush_denormal(True)
+        try:
+            yield
+        finally:
+            torch.set_flush_denormal(False)
 
     def synchronize(self) -> None:
         pass
@@ -115,9 +128,6 @@ class CpuPlatform(Platform):
         from anna.platforms.cpu.kernels import build_cpu_kernels
         from anna.platforms.cpu.ops import CpuKernelOps, CpuTorchOps
 
-        # Denormal floats flush to zero: x86 computes on them ~10-100x slower, and decays (Gated
-        # DeltaNet's exp of a running sum) make them in bulk; below 1.2e-38 they change no logit.
-        torch.set_flush_denormal(True)
         kernels = build_cpu_kernels(cache_dir, cpu.cpu_kernel_compiler) if cpu.cpu_kernels else None
         log.info("CPU kernels: %s", f"Anna's (matmuls up to M={cpu.cpu_gemv_max_rows})" if kernels else "torch's")
         if kernels is None:

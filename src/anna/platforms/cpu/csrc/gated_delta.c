@@ -75,7 +75,8 @@ void anna_gated_delta_decode(const float *conved, const float *z, const float *b
     #pragma omp parallel for num_threads(threads) collapse(2) schedule(static)
     for (long b = 0; b < batch; b++) {
         for (long h = 0; h < heads; h++) {
-            _mm_setcsr(_mm_getcsr() | 0x8040);  /* flush denormals: decayed states would crawl through them */
+            unsigned int csr = _mm_getcsr();
+            _mm_setcsr(csr | 0x8040);  /* flush denormals here: decayed states would crawl through them */
             const float *row = conved + b * channels;
             const float *kq = row + (h / repeat) * dk, *kk = row + key_heads * dk + (h / repeat) * dk;
             const float *vh = row + 2 * key_heads * dk + h * dv;
@@ -111,6 +112,7 @@ void anna_gated_delta_decode(const float *conved, const float *z, const float *b
             const float *zh = z + b * heads * dv + h * dv;
             for (long j = 0; j < dv; j++)
                 oh[j] = oh[j] * inv * load_weight(norm_weight, norm_wtype, j) * silu(zh[j]);
+            _mm_setcsr(csr);  /* (the caller's thread keeps its own floating-point mode) */
         }
     }
 }
