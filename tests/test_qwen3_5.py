@@ -241,3 +241,18 @@ def test_graph_decode_asked_for_runs_eager_and_says_why(hf_models, cache_dir, ca
     assert any("Gated DeltaNet" in r.message for r in caplog.records)
     _, tokens = run_logits(engine, LONG[:20], 4)
     assert tokens == hf_greedy(model, LONG[:20], 5)
+
+
+def test_automatic_snapshots_take_at_most_a_quarter_of_the_budget(hf_models, cache_dir):
+    """With a budget in GiB, the automatic snapshot count is capped at 25% of it; an explicit one
+    is kept as given."""
+    _, path = hf_models["qwen3_5"]
+    budget = 2**20
+    auto = LLMEngine(engine_settings(path, cache_dir, num_gpu_blocks_override=0, kv_cache_memory=budget / 2**30,
+                                     max_num_seqs=24, state_snapshots=-1), show_progress=False).cache_plan
+    per_seq = auto.bytes_per_sequence
+    assert auto.num_state_snapshots == int(0.25 * budget // per_seq) < 24  # below the default (max_num_seqs)
+    assert auto.num_blocks == (budget - (24 + auto.num_state_snapshots) * per_seq) // (16 * auto.bytes_per_token)
+    explicit = LLMEngine(engine_settings(path, cache_dir, num_gpu_blocks_override=0, kv_cache_memory=budget / 2**30,
+                                         max_num_seqs=24, state_snapshots=20), show_progress=False).cache_plan
+    assert explicit.num_state_snapshots == 20

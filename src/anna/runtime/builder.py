@@ -110,7 +110,8 @@ def build_engine_parts(s: ResolvedSettings, show_progress: bool = True) -> Engin
                        kv_cache_memory_gib=c.kv_cache_memory, num_blocks_override=c.num_gpu_blocks_override,
                        memory_utilization=c.memory_utilization, max_num_seqs=sch.max_num_seqs,
                        weights=module_bytes(model), activation_peak=peak, profile_tokens=profile_tokens,
-                       workspace_bytes=workspace or 0, state_snapshots=_state_snapshots(c, sch))
+                       workspace_bytes=workspace or 0, state_snapshots=_state_snapshots(c, sch),
+                       snapshots_auto=c.state_snapshots < 0)
     log.info(plan.describe(max_model_len))
     kv = KVCacheManager(plan.num_blocks, c.block_size, c.enable_prefix_caching)
     caches = CacheManagers(kv, StateCacheManager(plan.num_state_slots, plan.num_state_snapshots)

@@ -14,6 +14,7 @@ from anna.platforms import Platform
 
 GIB = 2**30
 MIB = 2**20
+SNAPSHOT_BUDGET_SHARE = 0.25  # the most of the cache budget that automatic state snapshots take
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -75,10 +76,12 @@ def module_bytes(module: torch.nn.Module) -> dict[str, int]:
 def plan_caches(specs: list[CacheSpec], platform: Platform, *, block_size: int, max_model_len: int,
                 kv_cache_memory_gib: float, num_blocks_override: int, memory_utilization: float, max_num_seqs: int,
                 weights: dict[str, int] | None = None, activation_peak: int | None = None, profile_tokens: int = 0,
-                workspace_bytes: int = 0, state_snapshots: int = 0) -> CachePlan:
+                workspace_bytes: int = 0, state_snapshots: int = 0, snapshots_auto: bool = False) -> CachePlan:
     """Size the caches, step by step: weights, the profile run's activation peak, the platform's
     memory and the utilization fraction, the compile/graph workspace; the per-sequence state of
-    max_num_seqs sequences and ``state_snapshots`` snapshots first, the rest for paged KV."""
+    max_num_seqs sequences and ``state_snapshots`` snapshots first, the rest for paged KV.
+    ``snapshots_auto``: the snapshot count is a default, capped at SNAPSHOT_BUDGET_SHARE of the
+    budget (a large model's states are tens of MiB each)."""
     per_token = kv_bytes_per_token(specs)
     per_seq = state_bytes_per_sequence(specs)
     slots = max_num_seqs if per_seq else 0
@@ -93,10 +96,13 @@ def plan_caches(specs: list[CacheSpec], platform: Platform, *, block_size: int, 
         steps.append(f"profile run: skipped on {platform.name} (its KV budget does not depend on the activation peak)")
     reserve = activation_peak if activation_peak is not None else platform.activation_reserve
     steps.append(f"graphs/compile workspace: {workspace_bytes / MIB:.0f} MiB")
-    if state_bytes:
-        steps.append(f"per-sequence state: {slots} slots (max_num_seqs) + {snapshots} prefix snapshots x {per_seq} "
-                     f"bytes = {state_bytes / MIB:.1f} MiB")
+    def state_step() -> None:
+        if state_bytes:
+            steps.append(f"per-sequence state: {slots} slots (max_num_seqs) + {snapshots} prefix snapshots x "
+                         f"{per_seq} bytes = {state_bytes / MIB:.1f} MiB")
+
     if num_blocks_override:
+        state_step()
         blocks, source = num_blocks_override, "num_gpu_blocks_override"
     else:
         if kv_cache_memory_gib > 0:
@@ -107,6 +113,11 @@ def plan_caches(specs: list[CacheSpec], platform: Platform, *, block_size: int, 
                                        + state_bytes)
             budget, source = found.bytes, found.source
             steps += found.steps
+        if snapshots_auto and per_seq and snapshots * per_seq > SNAPSHOT_BUDGET_SHARE * budget:
+            snapshots = int(SNAPSHOT_BUDGET_SHARE * budget // per_seq)
+            state_bytes = (slots + snapshots) * per_seq
+            steps.append(f"prefix snapshots (auto): capped at {SNAPSHOT_BUDGET_SHARE:.0%} of the budget")
+        state_step()
         blocks = max(0, (budget - state_bytes) // per_block) if per_block else 0
     plan = CachePlan(int(blocks), block_size, per_token, slots, per_seq, source, steps, snapshots)
     if per_token and plan.num_tokens < max_model_len:
