@@ -231,14 +231,36 @@ def test_memory_plan_counts_kv_of_full_attention_layers_and_state_per_sequence(h
     assert "state snapshots for prefix reuse: 5" in text and "max concurrency at max_model_len=512" in text
 
 
-def test_graph_decode_asked_for_runs_eager_and_says_why(hf_models, cache_dir, caplog):
-    """The fused CPU decode stack and captured graphs serve no state layers yet: asked for, the
-    engine warns once with the reason and decodes layer by layer (the C decode steps)."""
+@pytest.mark.parametrize("quant", ["none", "int8"])
+def test_fused_cpu_decode_stack_matches_layer_by_layer(quant, hf_models, cache_dir):
+    """Dense Qwen3.5 decodes through the fused C stack (csrc/decode_hybrid.c) by default: four
+    sequences decoding together (their state slots and KV blocks scattered) give the tokens of the
+    layer-by-layer path, and the fused stack really ran."""
     model, path = hf_models["qwen3_5"]
+    outputs = {}
+    for executor in ("auto", "eager"):
+        llm = make_llm(path, cache_dir, decode_executor=executor, quantization=quant, max_num_batched_tokens=64)
+        runner = llm.llm_engine.runner
+        fused = runner.decode_executor
+        assert (type(fused).__name__ == "HybridFusedDecodeExecutor") == (executor == "auto")
+        calls = []
+        if fused is not None:
+            run = fused.run
+            fused.run = lambda *args: calls.append(1) or run(*args)
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
+        outputs[executor] = [o.outputs[0].token_ids for o in outs]
+        assert (len(calls) >= 8) == (executor == "auto")
+    assert outputs["auto"] == outputs["eager"]
+    if quant == "none":
+        assert outputs["auto"] == [hf_greedy(model, p, 12) for p in PROMPTS]
+
+
+def test_moe_hybrid_decodes_eager_and_says_why_when_graph_is_asked(hf_models, cache_dir, caplog):
+    model, path = hf_models["qwen3_5_moe"]
     with caplog.at_level(logging.WARNING):
         engine = LLMEngine(engine_settings(path, cache_dir, decode_executor="graph"), show_progress=False)
     assert engine.runner.decode_executor is None
-    assert any("Gated DeltaNet" in r.message for r in caplog.records)
+    assert any("mixture-of-experts" in r.message for r in caplog.records)
     _, tokens = run_logits(engine, LONG[:20], 4)
     assert tokens == hf_greedy(model, LONG[:20], 5)
 

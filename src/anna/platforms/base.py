@@ -149,6 +149,4 @@ def no_graph_reason(profiling: bool, model: Any) -> str | None:
         return "--profile-runtime times each op"
     if getattr(model.config, "moe", None) is not None:
         return "mixture-of-experts layers choose their experts on the host each step"
-    if getattr(model.config, "linear_attention", None) is not None:
-        return "per-sequence state layers (Gated DeltaNet) are not captured"
     return None

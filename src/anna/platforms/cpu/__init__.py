@@ -146,15 +146,16 @@ class CpuPlatform(Platform):
         layer by layer (docs/BENCHMARKS.md), so auto picks it where it can run."""
         if choice == "eager":
             return None
-        from anna.platforms.cpu.fused_decode import FusedDecodeExecutor
+        from anna.platforms.cpu.fused_decode import fused_decode_executor
 
         why = no_graph_reason(profiling, model)
         if why is None and ops.kernels is None:
             why = "needs Anna's CPU kernels"
-        if why is None and not FusedDecodeExecutor.supports(model):
+        executor = fused_decode_executor(model, ops) if why is None else None
+        if why is None and executor is None:
             why = f"the fused decode stack does not serve {type(model).__name__}"
         if why is not None:
             if choice == "graph":
                 log.warning("decode_executor=graph: %s; running eager", why)
             return None
-        return FusedDecodeExecutor(model, ops)
+        return executor

@@ -19,7 +19,7 @@ log = logging.getLogger(__name__)
 
 KERNEL_DIR = Path(__file__).parent / "csrc"
 SOURCES = [KERNEL_DIR / name for name in ("cpu_kernels.c", "quant_kernels.c", "decode_layers.c",
-                                                     "gated_delta.c")]
+                                                     "gated_delta.c", "decode_hybrid.c")]
 HEADERS = [KERNEL_DIR / "work_split.h"]
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC"]
 WEIGHT_TYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
@@ -51,6 +51,16 @@ class AnnaLayer(ctypes.Structure):
                 ("v_cache", ctypes.c_void_p)]
 
 
+class AnnaHybridLayer(ctypes.Structure):
+    _fields_ = [("linear", ctypes.c_int), ("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p),
+                ("gate_up", AnnaLinear), ("down", AnnaLinear), ("qkv", AnnaLinear), ("o", AnnaLinear),
+                ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p), ("k_cache", ctypes.c_void_p),
+                ("v_cache", ctypes.c_void_p), ("in_proj", AnnaLinear), ("ba", AnnaLinear), ("out_proj", AnnaLinear),
+                ("conv_weight", ctypes.c_void_p), ("a_log", ctypes.c_void_p), ("dt_bias", ctypes.c_void_p),
+                ("gated_norm", ctypes.c_void_p), ("gated_norm_wtype", ctypes.c_int), ("conv_state", ctypes.c_void_p),
+                ("recurrent_state", ctypes.c_void_p)]
+
+
 class CpuKernels:
     """ctypes bindings of kernels/cpu_kernels.c. Every tensor handed in is fp32 and contiguous
     unless the method says otherwise; ``threads`` follows torch.get_num_threads()."""
@@ -71,9 +81,11 @@ class CpuKernels:
         lib.anna_decode_layers.argtypes = [ctypes.POINTER(AnnaLayer), l, p, l, l, l, l, l, l, f, p, p, p, l, p, l, l,
                                            f, p, p, p, p, i]
         lib.anna_argmax_rows.argtypes = [p, l, l, p, i]
+        lib.anna_decode_hybrid_layers.argtypes = [ctypes.POINTER(AnnaHybridLayer), l, p, l, l, l, l, l, l, l, f, p, p,
+                                                  p, l, p, l, f, p, p, p, l, l, l, l, l, p, p, i]
         lib.anna_conv_step.argtypes = [p, p, p, l, l, l, p, p, i]
         lib.anna_gated_delta_decode.argtypes = [p, p, p, p, p, p, p, p, i, f, l, l, l, l, l, p, i]
-        for fn in (lib.anna_conv_step, lib.anna_gated_delta_decode, lib.anna_gemv, lib.anna_gemv_experts, lib.anna_deinterleave_rows, lib.anna_add_rmsnorm, lib.anna_rotary, lib.anna_silu_mul,
+        for fn in (lib.anna_conv_step, lib.anna_gated_delta_decode, lib.anna_decode_hybrid_layers, lib.anna_gemv, lib.anna_gemv_experts, lib.anna_deinterleave_rows, lib.anna_add_rmsnorm, lib.anna_rotary, lib.anna_silu_mul,
                    lib.anna_paged_decode_attention, lib.anna_qgemm, lib.anna_qgemm_experts, lib.anna_dequant,
                    lib.anna_decode_layers, lib.anna_argmax_rows):
             fn.restype = None
@@ -186,6 +198,24 @@ class CpuKernels:
             positions.data_ptr(), slots.data_ptr(), tables.data_ptr(), tables.shape[1], context_lens.data_ptr(),
             block_size, window or 0, scale, cos_table.data_ptr(), sin_table.data_ptr(), final_norm.data_ptr(),
             out.data_ptr(), torch.get_num_threads())
+        return out
+
+    def decode_hybrid_layers(self, layers: ctypes.Array, embeddings: torch.Tensor, *, heads: int, kv_heads: int,
+                             head_dim: int, rope_dim: int, intermediate: int, eps: float, positions: torch.Tensor,
+                             slots: torch.Tensor, tables: torch.Tensor, context_lens: torch.Tensor, block_size: int,
+                             scale: float, cos_table: torch.Tensor, sin_table: torch.Tensor,
+                             state_slots: torch.Tensor, key_heads: int, value_heads: int, key_dim: int,
+                             value_dim: int, conv_kernel: int, final_norm: torch.Tensor) -> torch.Tensor:
+        """Every layer of a hybrid model (csrc/decode_hybrid.c) for a decode-only batch; returns the
+        final normed hidden states."""
+        m, hidden = embeddings.shape
+        out = torch.empty_like(embeddings)
+        self.lib.anna_decode_hybrid_layers(
+            layers, len(layers), embeddings.data_ptr(), m, hidden, heads, kv_heads, head_dim, rope_dim, intermediate,
+            eps, positions.data_ptr(), slots.data_ptr(), tables.data_ptr(), tables.shape[1], context_lens.data_ptr(),
+            block_size, scale, cos_table.data_ptr(), sin_table.data_ptr(), state_slots.data_ptr(), key_heads,
+            value_heads, key_dim, value_dim, conv_kernel, final_norm.data_ptr(), out.data_ptr(),
+            torch.get_num_threads())
         return out
 
     def add_rmsnorm(self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,

@@ -26,6 +26,8 @@ class CudaPlatform(Platform):
         if choice != "graph":
             return None
         why = no_graph_reason(profiling, model)
+        if why is None and getattr(model.config, "linear_attention", None) is not None:
+            why = "per-sequence state layers (Gated DeltaNet) are not captured"
         if why is not None:
             log.warning("decode_executor=graph: %s; running eager", why)
             return None

@@ -1,0 +1,152 @@
+/* The whole decoder stack of a hybrid Qwen3.5-family model (dense MLPs) for a decode-only batch
+ * in one call: decode_layers.c's reason (per-op dispatch costs as much as the weight reads at
+ * this size) for model/qwen3_5.py's layers. Each layer is Gated DeltaNet (in_proj and b/a
+ * matmuls, the conv step, gated_delta.c's decode, out_proj) or gated attention (q|gate, k, v in
+ * one matmul, per-head q/k norms, rotary on the first rope_dim of each head, the KV write, paged
+ * attention, times sigmoid(gate), o), then the gated MLP. Norm weights are fp32 (zero-centred
+ * norms are stored as 1 + w). The torch path computes the same thing op by op. */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+void anna_gemv(const float *x, const void *w, int wtype, const float *bias, float *y, int M, long N, long K,
+               int threads);
+void anna_qgemm(const float *x, const void *w, const void *ws, int kind, long G, const float *bias, float *y,
+                long M, long N, long K, int threads);
+void anna_add_rmsnorm(float *x, const float *delta, const void *w, int wtype, float *out, long rows, long dim,
+                      float eps, int threads);
+void anna_silu_mul(const float *gate_up, float *out, long M, long I, int threads);
+void anna_rotary(float *x, long row_stride, long tokens, long heads, long dim, const float *cos_table,
+                 const float *sin_table, const long *positions);
+void anna_paged_decode_attention(const float *q, const float *k_cache, const float *v_cache, const long *tables,
+                                 long table_width, const long *ctx, long seqs, long heads, long kv_heads, long dim,
+                                 long block_size, long window, float scale, float *out, int threads);
+void anna_conv_step(const float *x, float *state, const int64_t *slots, long batch, long channels, long kernel,
+                    const float *weight, float *out, int threads);
+void anna_gated_delta_decode(const float *conved, const float *z, const float *ba, float *state,
+                             const int64_t *slots, const float *a_log, const float *dt_bias, const void *norm_weight,
+                             int norm_wtype, float eps, long batch, long key_heads, long heads, long dk, long dv,
+                             float *out, int threads);
+
+typedef struct {  /* as decode_layers.c's */
+    const void *weight;
+    const void *scales;
+    const float *bias;
+    int wtype;
+    int qkind;
+    long group;
+    long n, k;
+} AnnaLinear;
+
+typedef struct {
+    int linear;  /* 1: Gated DeltaNet; 0: gated attention */
+    const float *input_norm, *post_norm;  /* fp32 */
+    AnnaLinear gate_up, down;
+    /* gated attention */
+    AnnaLinear qkv, o;
+    const float *q_norm, *k_norm;  /* fp32 */
+    float *k_cache, *v_cache;
+    /* Gated DeltaNet */
+    AnnaLinear in_proj, ba, out_proj;
+    const float *conv_weight, *a_log, *dt_bias;
+    const void *gated_norm;
+    int gated_norm_wtype;
+    float *conv_state, *recurrent_state;
+} AnnaHybridLayer;
+
+static void linear(const AnnaLinear *l, const float *x, float *y, long M, int threads) {
+    if (l->wtype >= 0) anna_gemv(x, l->weight, l->wtype, l->bias, y, (int)M, l->n, l->k, threads);
+    else anna_qgemm(x, l->weight, l->scales, l->qkind, l->group, l->bias, y, M, l->n, l->k, threads);
+}
+
+static void norm_heads(float *x, long stride, long M, long heads, long head_stride, long dim, const float *w,
+                       float eps, float *tmp) {
+    for (long t = 0; t < M; t++)
+        for (long hh = 0; hh < heads; hh++) {
+            float *v = x + t * stride + hh * head_stride;
+            memcpy(tmp, v, sizeof(float) * dim);
+            anna_add_rmsnorm(tmp, NULL, w, 2, v, 1, dim, eps, 1);
+        }
+}
+
+static void rotate_heads(float *x, long stride, long M, long heads, long head_stride, long rope_dim,
+                         const float *cos_table, const float *sin_table, const long *positions) {
+    for (long hh = 0; hh < heads; hh++)
+        anna_rotary(x + hh * head_stride, stride, M, 1, rope_dim, cos_table, sin_table, positions);
+}
+
+void anna_decode_hybrid_layers(const AnnaHybridLayer *layers, long num_layers, const float *embeddings, long M,
+                               long hidden, long heads, long kv_heads, long head_dim, long rope_dim,
+                               long intermediate, float eps, const long *positions, const long *slots,
+                               const long *tables, long table_width, const long *ctx, long block_size, float scale,
+                               const float *cos_table, const float *sin_table, const int64_t *state_slots,
+                               long key_heads, long value_heads, long dk, long dv, long conv_kernel,
+                               const float *final_norm, float *out, int threads) {
+    long q_size = heads * head_dim, kv_size = kv_heads * head_dim, qkv_width = 2 * q_size + 2 * kv_size;
+    long channels = 2 * key_heads * dk + value_heads * dv, value_dim = value_heads * dv;
+    long mixer_width = qkv_width > channels + value_dim ? qkv_width : channels + value_dim;
+    float *residual = malloc(sizeof(float) * M * hidden);
+    float *normed = malloc(sizeof(float) * M * hidden);
+    float *h = malloc(sizeof(float) * M * hidden);
+    float *mix = malloc(sizeof(float) * M * mixer_width);
+    float *a = malloc(sizeof(float) * M * (channels > q_size ? channels : q_size));
+    float *b = malloc(sizeof(float) * M * (value_dim > q_size ? value_dim : q_size));
+    float *c = malloc(sizeof(float) * M * (value_dim > q_size ? value_dim : q_size));
+    float *ba = malloc(sizeof(float) * M * 2 * value_heads);
+    float *gate_up = malloc(sizeof(float) * M * 2 * intermediate);
+    float *act = malloc(sizeof(float) * M * intermediate);
+    float *tmp = malloc(sizeof(float) * (head_dim > dv ? head_dim : dv));
+    memcpy(residual, embeddings, sizeof(float) * M * hidden);
+    for (long li = 0; li < num_layers; li++) {
+        const AnnaHybridLayer *L = layers + li;
+        anna_add_rmsnorm(residual, li == 0 ? NULL : h, L->input_norm, 2, normed, M, hidden, eps, threads);
+        if (L->linear) {
+            long width = channels + value_dim;
+            linear(&L->in_proj, normed, mix, M, threads);
+            linear(&L->ba, normed, ba, M, threads);
+            for (long t = 0; t < M; t++) {  /* q|k|v and z, each contiguous */
+                memcpy(a + t * channels, mix + t * width, sizeof(float) * channels);
+                memcpy(b + t * value_dim, mix + t * width + channels, sizeof(float) * value_dim);
+            }
+            anna_conv_step(a, L->conv_state, state_slots, M, channels, conv_kernel, L->conv_weight, mix, threads);
+            anna_gated_delta_decode(mix, b, ba, L->recurrent_state, state_slots, L->a_log, L->dt_bias, L->gated_norm,
+                                    L->gated_norm_wtype, eps, M, key_heads, value_heads, dk, dv, c, threads);
+            linear(&L->out_proj, c, h, M, threads);
+        } else {
+            linear(&L->qkv, normed, mix, M, threads);
+            norm_heads(mix, qkv_width, M, heads, 2 * head_dim, head_dim, L->q_norm, eps, tmp);
+            norm_heads(mix + 2 * q_size, qkv_width, M, kv_heads, head_dim, head_dim, L->k_norm, eps, tmp);
+            rotate_heads(mix, qkv_width, M, heads, 2 * head_dim, rope_dim, cos_table, sin_table, positions);
+            rotate_heads(mix + 2 * q_size, qkv_width, M, kv_heads, head_dim, rope_dim, cos_table, sin_table,
+                         positions);
+            for (long t = 0; t < M; t++) {
+                const float *row = mix + t * qkv_width;
+                long blk = slots[t] / block_size, off = slots[t] % block_size;
+                for (long hh = 0; hh < kv_heads; hh++) {
+                    long at = ((blk * kv_heads + hh) * block_size + off) * head_dim;
+                    memcpy(L->k_cache + at, row + 2 * q_size + hh * head_dim, sizeof(float) * head_dim);
+                    memcpy(L->v_cache + at, row + 2 * q_size + kv_size + hh * head_dim, sizeof(float) * head_dim);
+                }
+                for (long hh = 0; hh < heads; hh++)
+                    memcpy(a + t * q_size + hh * head_dim, row + hh * 2 * head_dim, sizeof(float) * head_dim);
+            }
+            anna_paged_decode_attention(a, L->k_cache, L->v_cache, tables, table_width, ctx, M, heads, kv_heads,
+                                        head_dim, block_size, 0, scale, b, threads);
+            for (long t = 0; t < M; t++)
+                for (long hh = 0; hh < heads; hh++) {
+                    const float *gate = mix + t * qkv_width + hh * 2 * head_dim + head_dim;
+                    float *o = b + t * q_size + hh * head_dim;
+                    for (long j = 0; j < head_dim; j++) o[j] *= 1.0f / (1.0f + expf(-gate[j]));
+                }
+            linear(&L->o, b, h, M, threads);
+        }
+        anna_add_rmsnorm(residual, h, L->post_norm, 2, normed, M, hidden, eps, threads);
+        linear(&L->gate_up, normed, gate_up, M, threads);
+        anna_silu_mul(gate_up, act, M, intermediate, threads);
+        linear(&L->down, act, h, M, threads);
+    }
+    anna_add_rmsnorm(residual, h, final_norm, 2, out, M, hidden, eps, threads);
+    free(residual); free(normed); free(h); free(mix); free(a); free(b); free(c); free(ba); free(gate_up); free(act);
+    free(tmp);
+}
