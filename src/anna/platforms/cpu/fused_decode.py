@@ -40,13 +40,13 @@ class FusedDecodeExecutor:
         return layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj
 
     def applies(self, meta: AttentionMetadata, num_tokens: int, kv_caches: list) -> bool:
-        if meta.prefills or meta.num_decode_tokens != num_tokens or num_tokens > self.ops.routing.gemv_max_rows \
-                or any(t.dtype != torch.float32 for cache in kv_caches
-                       for t in (cache.values() if isinstance(cache, dict) else cache)):
+        if meta.prefills or meta.num_decode_tokens != num_tokens or num_tokens > self.ops.routing.gemv_max_rows:
             return False
         layers = self.model.layers
-        if self._fusable is None:
-            self._fusable = all(lin.interleaved for layer in layers for lin in self._linears(layer))
+        if self._fusable is None:  # (weights and caches keep their layout and dtype: checked once)
+            self._fusable = all(lin.interleaved for layer in layers for lin in self._linears(layer)) and all(
+                t.dtype == torch.float32 for cache in kv_caches
+                for t in (cache.values() if isinstance(cache, dict) else cache))
         if not self._fusable:
             return False
         gate_up = layers[0].mlp.gate_up_proj

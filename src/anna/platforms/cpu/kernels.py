@@ -20,7 +20,7 @@ log = logging.getLogger(__name__)
 KERNEL_DIR = Path(__file__).parent / "csrc"
 SOURCES = [KERNEL_DIR / name for name in ("cpu_kernels.c", "quant_kernels.c", "decode_layers.c",
                                                      "gated_delta.c", "decode_hybrid.c")]
-HEADERS = [KERNEL_DIR / "work_split.h"]
+HEADERS = [KERNEL_DIR / name for name in ("work_split.h", "decode_common.h")]
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC"]
 WEIGHT_TYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 UNPACK_SCRATCH_BYTES = 128 << 20

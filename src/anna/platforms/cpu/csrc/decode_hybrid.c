@@ -6,38 +6,17 @@
  * attention, times sigmoid(gate), o), then the gated MLP. Norm weights are fp32 (zero-centred
  * norms are stored as 1 + w). The torch path computes the same thing op by op. */
 #include <math.h>
-#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-void anna_gemv(const float *x, const void *w, int wtype, const float *bias, float *y, int M, long N, long K,
-               int threads);
-void anna_qgemm(const float *x, const void *w, const void *ws, int kind, long G, const float *bias, float *y,
-                long M, long N, long K, int threads);
-void anna_add_rmsnorm(float *x, const float *delta, const void *w, int wtype, float *out, long rows, long dim,
-                      float eps, int threads);
-void anna_silu_mul(const float *gate_up, float *out, long M, long I, int threads);
-void anna_rotary(float *x, long row_stride, long tokens, long heads, long dim, const float *cos_table,
-                 const float *sin_table, const long *positions);
-void anna_paged_decode_attention(const float *q, const float *k_cache, const float *v_cache, const long *tables,
-                                 long table_width, const long *ctx, long seqs, long heads, long kv_heads, long dim,
-                                 long block_size, long window, float scale, float *out, int threads);
+#include "decode_common.h"
+
 void anna_conv_step(const float *x, float *state, const int64_t *slots, long batch, long channels, long kernel,
                     const float *weight, float *out, int threads);
 void anna_gated_delta_decode(const float *conved, const float *z, const float *ba, float *state,
                              const int64_t *slots, const float *a_log, const float *dt_bias, const void *norm_weight,
                              int norm_wtype, float eps, long batch, long key_heads, long heads, long dk, long dv,
                              float *out, int threads);
-
-typedef struct {  /* as decode_layers.c's */
-    const void *weight;
-    const void *scales;
-    const float *bias;
-    int wtype;
-    int qkind;
-    long group;
-    long n, k;
-} AnnaLinear;
 
 typedef struct {
     int linear;  /* 1: Gated DeltaNet; 0: gated attention */
@@ -54,11 +33,6 @@ typedef struct {
     int gated_norm_wtype;
     float *conv_state, *recurrent_state;
 } AnnaHybridLayer;
-
-static void linear(const AnnaLinear *l, const float *x, float *y, long M, int threads) {
-    if (l->wtype >= 0) anna_gemv(x, l->weight, l->wtype, l->bias, y, (int)M, l->n, l->k, threads);
-    else anna_qgemm(x, l->weight, l->scales, l->qkind, l->group, l->bias, y, M, l->n, l->k, threads);
-}
 
 static void norm_heads(float *x, long stride, long M, long heads, long head_stride, long dim, const float *w,
                        float eps, float *tmp) {

@@ -9,28 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-void anna_gemv(const float *x, const void *w, int wtype, const float *bias, float *y, int M, long N, long K,
-               int threads);
-void anna_qgemm(const float *x, const void *w, const void *ws, int kind, long G, const float *bias, float *y,
-                long M, long N, long K, int threads);
-void anna_add_rmsnorm(float *x, const float *delta, const void *w, int wtype, float *out, long rows, long dim,
-                      float eps, int threads);
-void anna_silu_mul(const float *gate_up, float *out, long M, long I, int threads);
-void anna_rotary(float *x, long row_stride, long tokens, long heads, long dim, const float *cos_table,
-                 const float *sin_table, const long *positions);
-void anna_paged_decode_attention(const float *q, const float *k_cache, const float *v_cache, const long *tables,
-                                 long table_width, const long *ctx, long seqs, long heads, long kv_heads, long dim,
-                                 long block_size, long window, float scale, float *out, int threads);
-
-typedef struct {
-    const void *weight;   /* float weights (wtype 0 bf16, 1 fp16, 2 fp32) or quantized values */
-    const void *scales;   /* quantized: int8 row scales (fp32) or int4 group scales (fp16); else NULL */
-    const float *bias;    /* fp32 or NULL */
-    int wtype;            /* float weights: 0/1/2; quantized: -1 */
-    int qkind;            /* quantized: 0 int8, 1 int4 */
-    long group;           /* int4 group size */
-    long n, k;
-} AnnaLinear;
+#include "decode_common.h"
 
 typedef struct {
     const void *input_norm, *post_norm, *q_norm, *k_norm; /* q_norm/k_norm NULL when absent */
@@ -38,11 +17,6 @@ typedef struct {
     AnnaLinear qkv, o, gate_up, down;
     float *k_cache, *v_cache; /* [blocks, kv_heads, block_size, head_dim] fp32 */
 } AnnaLayer;
-
-static void linear(const AnnaLinear *l, const float *x, float *y, long M, int threads) {
-    if (l->wtype >= 0) anna_gemv(x, l->weight, l->wtype, l->bias, y, (int)M, l->n, l->k, threads);
-    else anna_qgemm(x, l->weight, l->scales, l->qkind, l->group, l->bias, y, M, l->n, l->k, threads);
-}
 
 void anna_decode_layers(const AnnaLayer *layers, long num_layers, const float *embeddings, long M, long hidden,
                         long heads, long kv_heads, long head_dim, long intermediate, float eps,
