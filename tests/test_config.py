@@ -13,8 +13,15 @@ from anna.core.config import PROFILE, SCHEDULER_PROFILES, ServeSettings, env_nam
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "tuning.md"
 
 
+# settings whose values have a structure of their own: a valid value that is not the default
+STRUCTURED_SAMPLES = {"speculative_config": '{"method": "ngram", "num_speculative_tokens": 3, '
+                                            '"prompt_lookup_max": 4, "prompt_lookup_min": 2}'}
+
+
 def sample_value(f: dataclasses.Field):
     default = f.metadata["default"]
+    if f.name in STRUCTURED_SAMPLES:
+        return f.metadata["parse"](STRUCTURED_SAMPLES[f.name])
     if f.metadata.get("choices"):
         return [c for c in f.metadata["choices"] if c != default][0] if len(f.metadata["choices"]) > 1 else default
     if default is PROFILE:

@@ -15,6 +15,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from anna.core.speculative import parse_speculative_config
+
 ENV_PREFIX = "ANNA_"
 
 # Scheduler profiles: named sets of defaults, each overridable by its own field.
@@ -52,14 +54,15 @@ def check_tensor_parallel_size(value: Any) -> None:
 
 def _setting(default: Any, help: str, *, choices: tuple | None = None, env: str | None = None,
              cli: bool = True, minimum: float = 0, maximum: float | None = None, several: bool = False,
-             aliases: tuple[str, ...] = ()) -> Any:
+             aliases: tuple[str, ...] = (), parse: Any = None) -> Any:
     """A ServeSettings field: unset (None) until resolved; ``default`` is the built-in value.
     ``several``: a comma-separated list, whose flag also takes the values one after another.
     ``aliases``: other names of the same setting (each a flag, an ANNA_* variable and an LLM
-    keyword), as the founding manual spells them."""
+    keyword), as the founding manual spells them. ``parse``: checks a value and returns its
+    canonical form (for structured values such as JSON)."""
     return field(default=None, metadata={"default": default, "help": help, "choices": choices, "env": env,
                                          "cli": cli, "minimum": minimum, "maximum": maximum, "several": several,
-                                         "aliases": aliases})
+                                         "aliases": aliases, "parse": parse})
 
 
 PROFILE = object()  # marker: the built-in default comes from the scheduler profile
@@ -165,6 +168,13 @@ class ServeSettings:
            "tokens back from the device (and check EOS) every N steps, at the cost of up to N-1 discarded "
            "steps; 1 = every step; 0 = auto (8 on GPUs, 1 on CPU, where there is no device to wait for).")
 
+    # Speculative decoding
+    speculative_config: str | None = _setting(
+        "", "Speculative decoding as a JSON object, as vLLM takes it: {\"method\": \"ngram\" | \"draft_model\" | "
+            "\"mtp\", \"num_speculative_tokens\": K, ...} with prompt_lookup_min/prompt_lookup_max (ngram), model "
+            "(draft_model), disable_by_batch_size and min_acceptance_rate; empty = off.",
+        parse=parse_speculative_config)
+
     # Warmup (serving)
     inference_warmup: bool | None = _setting(
         True, "Run the warmup shape table before serving (--no-inference-warmup skips it, for development).")
@@ -252,7 +262,7 @@ SECTION_FIELDS: dict[str, tuple[str, ...]] = {
               "state_snapshots", "prompt_cache_size", "prompt_cache_max_tokens"),
     "scheduler": ("max_num_seqs", "max_num_batched_tokens", "scheduler_profile", "prefill_interval_steps",
                   "scheduler_event_driven_prefill_insert", "skip_batch_wait_when_idle", "batch_wait_ms",
-                  "long_prefill_token_threshold", "scheduler_token_sync_every_steps"),
+                  "long_prefill_token_threshold", "scheduler_token_sync_every_steps", "speculative_config"),
     "execution": ("device", "compile_mode", "compile_fullgraph", "decode_executor", "torchinductor_cache_dir",
                   "profile_runtime", "inference_warmup", "warmup_prefill_tokens", "warmup_batch_size",
                   "warmup_decode_steps"),
@@ -334,6 +344,8 @@ def field_type(f: dataclasses.Field) -> type:
 def parse_value(f: dataclasses.Field, raw: Any, origin: str) -> Any:
     """Convert and check one value; raise ValueError naming the field."""
     typ = field_type(f)
+    if f.metadata.get("parse") is not None:
+        return f.metadata["parse"](raw)
     try:
         if typ is bool and isinstance(raw, str):
             low = raw.strip().lower()

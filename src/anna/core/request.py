@@ -56,6 +56,9 @@ class Request:
     # PENDING_TOKEN in the token lists and (device tensor, row) here, oldest first.
     sync_every: int = 1
     pending: list[tuple[Any, int]] = field(default_factory=list)
+    # Speculative decoding: tokens proposed to follow the last one, verified by the next step (never
+    # part of the token lists until accepted); set after each step by the proposer
+    spec_token_ids: list[int] = field(default_factory=list)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None

@@ -94,6 +94,9 @@ class SamplingParams:
     # cumulative: an output after every step (streaming); final_only: one output when finished,
     # which lets the engine read sampled tokens back from the device every few steps only
     output_kind: str = "cumulative"
+    # False: this request never speculates, where the engine has speculative decoding on (its
+    # output is the same either way; this only saves the verification work)
+    speculative: bool = True
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -177,6 +180,8 @@ class SamplingParams:
             bad("logit_bias", "keys must be non-negative token ids")
         if self.logit_bias and any(not -100 <= v <= 100 for v in self.logit_bias.values()):
             bad("logit_bias", "values must be in [-100, 100]")
+        if not isinstance(self.speculative, bool):
+            bad("speculative", "must be true or false")
         if self.output_kind not in OUTPUT_KINDS:
             bad("output_kind", f"must be one of {', '.join(OUTPUT_KINDS)}")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):

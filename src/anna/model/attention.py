@@ -11,7 +11,7 @@ are computed together in one batched gather, prefill chunks one sequence at a ti
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +38,9 @@ class AttentionMetadata:
     prefills: list[PrefillChunk]
     block_size: int
     state_slots: torch.Tensor | None = None  # [num_seqs] long, model order: each sequence's state slot (StateSpec layers)
+    # StateSpec layers, speculative decoding: per prefill chunk (its index in ``prefills``) that
+    # verifies proposed tokens, the state slots to keep its state in after each token but the last
+    state_checkpoints: dict[int, list[int]] = field(default_factory=dict)
 
 
 def build_metadata(slot_mapping: torch.Tensor, starts: list[int], lens: list[int], tables: torch.Tensor,

@@ -177,8 +177,28 @@ class GatedDeltaNet(nn.Module):
                 out[:nd] = ops.gated_delta_decode(self, conved, z[:nd], ba[:nd], state["recurrent"], slots[:nd])
         for j, chunk in enumerate(meta.prefills):
             sl = slice(chunk.query_start, chunk.query_start + chunk.query_len)
-            out[sl] = self._prefill(mixed[sl], z[sl], ba[sl], state, slots[nd + j])
+            checkpoints = meta.state_checkpoints.get(j)
+            if checkpoints is None:
+                out[sl] = self._prefill(mixed[sl], z[sl], ba[sl], state, slots[nd + j])
+            else:
+                out[sl] = self._verify(mixed[sl], z[sl], ba[sl], state, slots[nd + j:nd + j + 1], checkpoints)
         return self.out_proj(out)
+
+    def _verify(self, mixed: torch.Tensor, z: torch.Tensor, ba: torch.Tensor, state: dict[str, torch.Tensor],
+                slot: torch.Tensor, checkpoints: list[int]) -> torch.Tensor:
+        """A sequence's last token and the tokens proposed after it, one decode step each, keeping
+        the state after every token but the last in ``checkpoints`` (speculative decoding rolls
+        back to the state after the last accepted token)."""
+        ops, rows = self.ops, []
+        for t in range(mixed.shape[0]):
+            with ops.region("conv"):
+                conved = ops.conv_step(mixed[t:t + 1], state["conv"], slot, self.conv_weight)
+            with ops.region("gated_delta"):
+                rows.append(ops.gated_delta_decode(self, conved, z[t:t + 1], ba[t:t + 1], state["recurrent"], slot))
+            if t < len(checkpoints):
+                for tensor in state.values():
+                    tensor[checkpoints[t]] = tensor[slot[0]]
+        return torch.cat(rows)
 
     def _prefill(self, mixed: torch.Tensor, z: torch.Tensor, ba: torch.Tensor, state: dict[str, torch.Tensor],
                  slot: torch.Tensor) -> torch.Tensor:

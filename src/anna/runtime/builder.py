@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from anna.core.config import ResolvedSettings
+from anna.core.speculative import SpeculativeConfig, load_speculative_config
 from anna.core.sampling_params import SamplingParams
 from anna.model.cache_spec import state_layers
 from anna.model.config import ModelConfig, load_generation_defaults, load_model_config
@@ -31,6 +32,7 @@ from anna.runtime.profiler import RuntimeProfiler
 from anna.runtime.prompt_cache import PromptCache
 from anna.runtime.sampler import Sampler
 from anna.runtime.scheduler import Scheduler, SchedulerConfig
+from anna.runtime.speculative.factory import build_speculative_decoder
 from anna.runtime.state_cache import StateCacheManager
 from anna.runtime.structured_output import StructuredOutputCompiler
 from anna.weights.chat_template import load_chat_template
@@ -96,6 +98,8 @@ def build_engine_parts(s: ResolvedSettings, show_progress: bool = True) -> Engin
                                                    m.int4_cache_load_workers, m.cache_dir),
                        show_progress=show_progress, huge_pages=cpu.cpu_huge_pages)
     specs = model.cache_specs(act_dtype)
+    spec_config = load_speculative_config(sch.speculative_config)
+    speculative = build_speculative_decoder(spec_config) if spec_config else None
     executor = platform.decode_executor(ex.decode_executor, model, ops, profiling=profiler is not None,
                                         max_num_seqs=sch.max_num_seqs, max_model_len=max_model_len,
                                         block_size=c.block_size)
@@ -111,18 +115,21 @@ def build_engine_parts(s: ResolvedSettings, show_progress: bool = True) -> Engin
                        memory_utilization=c.memory_utilization, max_num_seqs=sch.max_num_seqs,
                        weights=module_bytes(model), activation_peak=peak, profile_tokens=profile_tokens,
                        workspace_bytes=workspace or 0, state_snapshots=_state_snapshots(c, sch),
-                       snapshots_auto=c.state_snapshots < 0)
+                       snapshots_auto=c.state_snapshots < 0,
+                       state_checkpoints=_state_checkpoints(spec_config, sch.max_num_seqs))
     log.info(plan.describe(max_model_len))
     kv = KVCacheManager(plan.num_blocks, c.block_size, c.enable_prefix_caching)
-    caches = CacheManagers(kv, StateCacheManager(plan.num_state_slots, plan.num_state_snapshots)
-                           if state_layers(specs) else None)
+    caches = CacheManagers(kv, StateCacheManager(plan.num_state_slots, plan.num_state_snapshots,
+                                                 plan.num_state_checkpoints) if state_layers(specs) else None)
     prompt_cache = _prompt_cache(c, caches)
     stats = EngineStats()
     scheduler = Scheduler(SchedulerConfig(
         max_num_seqs=sch.max_num_seqs, max_num_batched_tokens=sch.max_num_batched_tokens,
         long_prefill_token_threshold=sch.long_prefill_token_threshold,
         prefill_interval_steps=sch.prefill_interval_steps,
-        event_driven_prefill_insert=sch.scheduler_event_driven_prefill_insert), caches, prompt_cache, stats,
+        event_driven_prefill_insert=sch.scheduler_event_driven_prefill_insert,
+        num_lookahead_tokens=speculative.proposer.lookahead if speculative else 0,
+        speculation_max_batch=spec_config.disable_by_batch_size if spec_config else 0), caches, prompt_cache, stats,
         max_model_len)
     compile_mode = platform.auto_compile_mode if ex.compile_mode == "auto" else ex.compile_mode
     if compile_mode != "none":
@@ -130,7 +137,8 @@ def build_engine_parts(s: ResolvedSettings, show_progress: bool = True) -> Engin
                  use_inductor_cache_dir(ex.torchinductor_cache_dir))
     runner = ModelRunner(model, caches, platform, specs, Sampler(m.seed, platform.device, argmax=ops.argmax),
                          compile_mode=compile_mode, compile_fullgraph=ex.compile_fullgraph, decode_executor=executor,
-                         huge_pages=cpu.cpu_huge_pages, profiler=profiler)
+                         huge_pages=cpu.cpu_huge_pages, profiler=profiler, max_model_len=max_model_len,
+                         speculative=speculative)
     floor = c.memory_release_min_free_mib if c.memory_release_min_free_mib >= 0 else c.min_free_memory_mib
     memory = MemoryReleaser(kv, runner.kv_caches, prompt_cache, platform, c.kv_release_chunk_blocks,
                             ReleasePolicy(c.memory_release_sweep_interval_s, floor, c.memory_release_max_gap_mib))
@@ -139,6 +147,11 @@ def build_engine_parts(s: ResolvedSettings, show_progress: bool = True) -> Engin
                                           cache_size=m.structured_output_cache_size,
                                           max_spec_bytes=m.structured_output_max_bytes)
     sync_every = sch.scheduler_token_sync_every_steps or (1 if not platform.asynchronous else 8)
+    if speculative is not None and sync_every != 1:  # proposals are made from the tokens on the host
+        log.info("Token sync window: 1 step (speculative decoding proposes from every step's tokens)")
+        sync_every = 1
+    if speculative is not None:
+        log.info("Speculative decoding: %s", spec_config.to_json())
     inputs = InputProcessor(tokenizer, cfg, max_model_len, eos, structured, sync_every, sampling_defaults)
     return EngineParts(s, model_dir, is_demo, cfg, tokenizer, platform, dtype, act_dtype, max_model_len, profiler,
                        ops, executor_name, compile_mode, plan, kv, caches, prompt_cache, stats, scheduler, runner,
@@ -169,6 +182,15 @@ def _state_snapshots(c: Any, sch: Any) -> int:
     if not c.enable_prefix_caching:
         return 0
     return c.state_snapshots if c.state_snapshots >= 0 else sch.max_num_seqs
+
+
+def _state_checkpoints(spec: SpeculativeConfig | None, max_num_seqs: int) -> int:
+    """Recurrent layers' states kept after each verified token (to roll back to): K for each
+    sequence that may speculate in one step (max_num_seqs, or disable_by_batch_size when lower)."""
+    if spec is None:
+        return 0
+    seqs = min(max_num_seqs, spec.disable_by_batch_size) if spec.disable_by_batch_size else max_num_seqs
+    return seqs * spec.num_speculative_tokens
 
 
 def _prompt_cache(c: Any, caches: CacheManagers) -> PromptCache:

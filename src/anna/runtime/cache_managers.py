@@ -69,13 +69,15 @@ class CacheManagers:
         if self.shares_prefixes:
             self.kv.record_prefix_lookup(req, num_hit_tokens)
 
-    def allocate_slots(self, req: Request, num_new_tokens: int, computed: list[KVBlock] = ()) -> bool:
-        """Room for ``num_new_tokens`` more tokens in every kind; False, changing nothing, if a kind
+    def allocate_slots(self, req: Request, num_new_tokens: int, computed: list[KVBlock] = (),
+                       num_lookahead_tokens: int = 0) -> bool:
+        """Room for ``num_new_tokens`` more tokens (and ``num_lookahead_tokens`` KV slots beyond
+        them, for a speculative proposer) in every kind; False, changing nothing, if a kind
         cannot supply it."""
         had_slot = self.state is None or req.request_id in self.state.slots
         if self.state is not None and not self.state.allocate(req):
             return False
-        if not self.kv.allocate_slots(req, num_new_tokens, computed):
+        if not self.kv.allocate_slots(req, num_new_tokens, computed, num_lookahead_tokens):
             if not had_slot:
                 self.state.free(req)
             return False

@@ -200,7 +200,7 @@ class LLMEngine:
         for event in events:
             req = event.req
             try:
-                self._take_step_output(req, event.token, event.logprobs, result, touched)
+                self._take_step_output(req, event.tokens, event.logprobs, result, touched)
             except Exception as exc:
                 log.exception("request %s: processing its step output failed", req.request_id)
                 self._fail(req, RequestError.internal(exc), touched)
@@ -212,7 +212,7 @@ class LLMEngine:
                 self._fail_unattributed(due, exc, touched)
         return self._outputs(touched)
 
-    def _take_step_output(self, req: Request, token: int | None, logprobs: tuple | None, result: StepResult,
+    def _take_step_output(self, req: Request, tokens: list[int], logprobs: list[tuple | None], result: StepResult,
                           touched: dict[str, RequestGroup]) -> None:
         if req.request_id in result.prompt_logprobs:
             first, entries = result.prompt_logprobs[req.request_id]
@@ -220,13 +220,15 @@ class LLMEngine:
                 req.prompt_logprobs[pos] = logprob_entry(req.prompt_token_ids[pos], chosen, top)
         if req.request_id not in result.sampled:
             return
-        first_token = req.num_output_tokens == (0 if token is not None else 1)  # (a placeholder is appended)
+        first_token = req.num_output_tokens == (0 if tokens else 1)  # (a placeholder is appended)
         if first_token and self.prompt_cache.covers(req.prompt_token_ids) \
                 and req.prompt_token_ids not in self.prompt_cache:  # the prompt's KV is complete now
             self.prompt_cache.insert(req.prompt_token_ids, self.runner.read_prompt_kv(req))
         group, state = self.outputs.seqs[req.request_id]
-        if token is not None:
-            self._append_token(state, token, logprobs)
+        for token, entry in zip(tokens, logprobs):  # in order, as if each came from a step of its own
+            self._append_token(state, token, entry)
+            if req.is_finished:  # accepted proposals after a stop are dropped
+                break
         touched[group.request_id] = group
 
     def _append_token(self, state: SequenceState, token: int, logprobs: tuple | None, record: bool = True) -> None:
@@ -238,7 +240,7 @@ class LLMEngine:
         if hit is not None:
             self._finish(req, "stop", stop_reason=hit[1])
         elif req.is_finished:
-            self.runner.sampler.forget(req.request_id)
+            self.runner.forget(req.request_id)
 
     def _sync_tokens(self, due: list[Request], touched: dict[str, RequestGroup]) -> None:
         """Read the pending tokens of these requests back in one copy, then check them in order as
@@ -277,7 +279,7 @@ class LLMEngine:
 
     def _finish(self, req: Request, reason: str, stop_reason: int | str | None = None) -> None:
         self.scheduler.finish(req, reason, stop_reason)
-        self.runner.sampler.forget(req.request_id)
+        self.runner.forget(req.request_id)
 
     # ---- failures ----
     def _fail(self, req: Request, error: RequestError, touched: dict[str, RequestGroup]) -> None:
@@ -333,4 +335,4 @@ class LLMEngine:
             blocks = self.kv.block_ids(req.request_id)
             caches.free(req)
             self.kv.pool.uncache(blocks)
-            self.runner.sampler.forget(req.request_id)
+            self.runner.forget(req.request_id)

@@ -165,12 +165,15 @@ class KVCacheManager:
             self.prefix_cache_queries += req.num_prompt_tokens
             self.prefix_cache_hits += num_hit_tokens
 
-    def allocate_slots(self, req: Request, num_new_tokens: int, computed: list[KVBlock] = ()) -> bool:
+    def allocate_slots(self, req: Request, num_new_tokens: int, computed: list[KVBlock] = (),
+                       num_lookahead_tokens: int = 0) -> bool:
         """Make room for ``num_new_tokens`` more tokens after the request's computed (and newly
-        hit cached) tokens. Returns False, changing nothing, when the pool cannot supply them."""
+        hit cached) tokens, and ``num_lookahead_tokens`` beyond them (slots a speculative proposer
+        writes its own KV into; never offered to the prefix cache by this step). Returns False,
+        changing nothing, when the pool cannot supply them."""
         blocks = self.req_blocks.setdefault(req.request_id, [])
         num_computed = req.num_computed_tokens + len(computed) * self.block_size
-        need = self.blocks_for(num_computed + num_new_tokens) - len(blocks) - len(computed)
+        need = self.blocks_for(num_computed + num_new_tokens + num_lookahead_tokens) - len(blocks) - len(computed)
         from_free = sum(1 for b in computed if b.ref_cnt == 0)
         if max(need, 0) + from_free > self.pool.num_free:
             return False

@@ -35,6 +35,7 @@ class CachePlan:
     budget_source: str
     steps: list[str]  # how the budget was reached, one line each, for the start-up log
     num_state_snapshots: int = 0  # states kept at block boundaries of cached prefixes (state_cache.py)
+    num_state_checkpoints: int = 0  # speculative decoding: states kept after each verified token, to roll back to
 
     @property
     def num_tokens(self) -> int:
@@ -57,6 +58,9 @@ class CachePlan:
                          f"slots, {self.num_state_slots * self.bytes_per_sequence / MIB:.1f} MiB")
             lines.append(f"state snapshots for prefix reuse: {self.num_state_snapshots}, "
                          f"{self.num_state_snapshots * self.bytes_per_sequence / MIB:.1f} MiB")
+            if self.num_state_checkpoints:
+                lines.append(f"speculative decoding state checkpoints: {self.num_state_checkpoints}, "
+                             f"{self.num_state_checkpoints * self.bytes_per_sequence / MIB:.1f} MiB")
         lines.append(f"max concurrency at max_model_len={max_model_len}: {self.max_concurrency(max_model_len):.2f}")
         return "Memory plan:\n" + "\n".join(f"  {line}" for line in lines)
 
@@ -76,17 +80,20 @@ def module_bytes(module: torch.nn.Module) -> dict[str, int]:
 def plan_caches(specs: list[CacheSpec], platform: Platform, *, block_size: int, max_model_len: int,
                 kv_cache_memory_gib: float, num_blocks_override: int, memory_utilization: float, max_num_seqs: int,
                 weights: dict[str, int] | None = None, activation_peak: int | None = None, profile_tokens: int = 0,
-                workspace_bytes: int = 0, state_snapshots: int = 0, snapshots_auto: bool = False) -> CachePlan:
+                workspace_bytes: int = 0, state_snapshots: int = 0, snapshots_auto: bool = False,
+                state_checkpoints: int = 0) -> CachePlan:
     """Size the caches, step by step: weights, the profile run's activation peak, the platform's
     memory and the utilization fraction, the compile/graph workspace; the per-sequence state of
     max_num_seqs sequences and ``state_snapshots`` snapshots first, the rest for paged KV.
     ``snapshots_auto``: the snapshot count is a default, capped at SNAPSHOT_BUDGET_SHARE of the
-    budget (a large model's states are tens of MiB each)."""
+    budget (a large model's states are tens of MiB each). ``state_checkpoints``: speculative
+    decoding's states of verified tokens (state_cache.py), reserved like the slots."""
     per_token = kv_bytes_per_token(specs)
     per_seq = state_bytes_per_sequence(specs)
     slots = max_num_seqs if per_seq else 0
     snapshots = state_snapshots if per_seq else 0
-    state_bytes = (slots + snapshots) * per_seq
+    checkpoints = state_checkpoints if per_seq else 0
+    state_bytes = (slots + snapshots + checkpoints) * per_seq
     per_block = per_token * block_size
     steps = ["weights: " + ", ".join(f"{b / MIB:.1f} MiB on {d}" for d, b in sorted((weights or {}).items()))]
     if activation_peak is not None:
@@ -98,8 +105,8 @@ def plan_caches(specs: list[CacheSpec], platform: Platform, *, block_size: int, 
     steps.append(f"graphs/compile workspace: {workspace_bytes / MIB:.0f} MiB")
     def state_step() -> None:
         if state_bytes:
-            steps.append(f"per-sequence state: {slots} slots (max_num_seqs) + {snapshots} prefix snapshots x "
-                         f"{per_seq} bytes = {state_bytes / MIB:.1f} MiB")
+            steps.append(f"per-sequence state: {slots} slots (max_num_seqs) + {snapshots} prefix snapshots + "
+                         f"{checkpoints} speculative checkpoints x {per_seq} bytes = {state_bytes / MIB:.1f} MiB")
 
     if num_blocks_override:
         state_step()
@@ -115,11 +122,11 @@ def plan_caches(specs: list[CacheSpec], platform: Platform, *, block_size: int, 
             steps += found.steps
         if snapshots_auto and per_seq and snapshots * per_seq > SNAPSHOT_BUDGET_SHARE * budget:
             snapshots = int(SNAPSHOT_BUDGET_SHARE * budget // per_seq)
-            state_bytes = (slots + snapshots) * per_seq
+            state_bytes = (slots + snapshots + checkpoints) * per_seq
             steps.append(f"prefix snapshots (auto): capped at {SNAPSHOT_BUDGET_SHARE:.0%} of the budget")
         state_step()
         blocks = max(0, (budget - state_bytes) // per_block) if per_block else 0
-    plan = CachePlan(int(blocks), block_size, per_token, slots, per_seq, source, steps, snapshots)
+    plan = CachePlan(int(blocks), block_size, per_token, slots, per_seq, source, steps, snapshots, checkpoints)
     if per_token and plan.num_tokens < max_model_len:
         raise ValueError(
             f"max_model_len: one sequence of {max_model_len} tokens needs {max_model_len * per_token / MIB:.1f} MiB "

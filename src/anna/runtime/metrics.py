@@ -80,6 +80,41 @@ class StepStats:
 
 
 @dataclass
+class SpecDecodeStats:
+    """Speculative decoding, as vLLM counts it: drafts (sequences that verified proposals in a
+    step), draft tokens, accepted tokens, and accepted tokens by position in the draft."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+
+    def record(self, num_proposed: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_proposed
+        self.num_accepted_tokens += num_accepted
+        if len(self.accepted_per_pos) < num_proposed:
+            self.accepted_per_pos.extend([0] * (num_proposed - len(self.accepted_per_pos)))
+        for pos in range(num_accepted):
+            self.accepted_per_pos[pos] += 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens per verifying step: the one always sampled plus the accepted ones."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+    def summary(self) -> str:
+        return (f"Speculative decoding: drafts={self.num_drafts} draft_tokens={self.num_draft_tokens} "
+                f"accepted={self.num_accepted_tokens} acceptance_rate={self.acceptance_rate:.1%} "
+                f"mean_acceptance_length={self.mean_acceptance_length:.2f} per_position="
+                f"{','.join(str(n) for n in self.accepted_per_pos)}")
+
+
+@dataclass
 class EngineStats:
     prompt_tokens: int = 0  # prompt tokens of accepted requests (n samples count n times)
     generation_tokens: int = 0
@@ -88,6 +123,7 @@ class EngineStats:
     failed: Counter = field(default_factory=Counter)  # HTTP status (400: its input, 500: Anna's) -> count
     failed_steps: int = 0  # steps whose forward pass failed, failing the requests in them
     steps: StepStats = field(default_factory=StepStats)
+    spec: SpecDecodeStats = field(default_factory=SpecDecodeStats)
     ttft: Histogram = field(default_factory=Histogram)
     inter_token: Histogram = field(default_factory=Histogram)
     e2e: Histogram = field(default_factory=Histogram)

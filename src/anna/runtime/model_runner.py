@@ -20,10 +20,12 @@ from anna.core.request import Request
 from anna.model.attention import AttentionMetadata, build_metadata, kv_cache_shape, read_slots, write_slots
 from anna.model.cache_spec import AttentionSpec, CacheSpec, StateSpec
 from anna.platforms import Platform
-from anna.runtime.cache_managers import CacheManagers
+from anna.runtime.cache_managers import CacheManagers, StateCopy
 from anna.runtime.compilation import CompiledForward
 from anna.runtime.sampler import SampleResult, Sampler, token_logprobs
 from anna.runtime.scheduler import ScheduledBatch
+from anna.runtime.speculative.decoder import SpeculativeDecoder
+from anna.runtime.speculative.verify import verify
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +34,9 @@ log = logging.getLogger(__name__)
 class SampledToken:
     value: int | None  # on the host; None while it stays on the device (the request's sync window)
     logprobs: tuple | None
-    ref: tuple[torch.Tensor, int]  # (the step's sampled tokens on the device, row)
+    ref: tuple[torch.Tensor, int] | None  # (the step's sampled tokens on the device, row)
+    accepted: list[int] = field(default_factory=list)  # proposed tokens accepted before ``value``
+    accepted_logprobs: list[tuple | None] = field(default_factory=list)
 
 
 @dataclass
@@ -44,6 +48,8 @@ class StepResult:
     # by request id: the requests this step could not serve (their input, or an error of theirs
     # alone); they got no token and are to be failed, the others go on
     failed: dict[str, RequestError] = field(default_factory=dict)
+    # by request id: tokens proposed to follow the step's last token, for the next step to verify
+    drafts: dict[str, list[int]] = field(default_factory=dict)
 
 
 PROMPT_LOGPROBS_ROWS = 256  # prompt positions per lm_head call: bounds the [rows, vocab] logits
@@ -57,6 +63,9 @@ class ModelInputs:
     order: list[int]  # batch index of each request in model order (decodes first)
     logits_indices: list[int]  # flattened-token index of the last token of each request, model order
     fresh_state_slots: torch.Tensor | None = None  # state slots of sequences starting from their first token
+    # recurrent layers: per request (batch index) verifying proposals, where its states after each
+    # token are kept (see ModelRunner._checkpoints)
+    state_checkpoints: dict[int, list[int]] = field(default_factory=dict)
 
 
 def allocate_caches(specs: list[CacheSpec], platform: Platform, *, num_blocks: int, block_size: int,
@@ -82,11 +91,16 @@ def allocate_caches(specs: list[CacheSpec], platform: Platform, *, num_blocks: i
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, caches: CacheManagers, platform: Platform, specs: list[CacheSpec],
                  sampler: Sampler, *, compile_mode: str = "none", compile_fullgraph: bool = False,
-                 decode_executor: Any = None, huge_pages: bool = False, profiler: Any = None) -> None:
+                 decode_executor: Any = None, huge_pages: bool = False, profiler: Any = None,
+                 max_model_len: int = 1 << 62, speculative: SpeculativeDecoder | None = None) -> None:
         """``decode_executor``: the platform's executor of decode-only steps, or None (eager); it may
         ask for spare KV blocks (CUDA graphs' padded rows write into one). ``huge_pages``: on CPU,
-        the caches live on transparent huge pages (platforms/cpu/host_memory.py)."""
+        the caches live on transparent huge pages (platforms/cpu/host_memory.py). ``speculative``:
+        the proposer of the tokens each step verifies (speculative decoding), or None."""
         self.model = model
+        self.max_model_len = max_model_len
+        self.speculative = speculative
+        self.num_speculative_tokens = speculative.config.num_speculative_tokens if speculative else 0
         self.profiler = profiler  # --profile-runtime: sampling is one of its regions
         self.model_forward = model.forward if compile_mode == "none" else \
             CompiledForward(model.forward, compile_mode, compile_fullgraph)
@@ -106,30 +120,47 @@ class ModelRunner:
         if decode_executor is not None:
             decode_executor.attach(self.layer_caches, pad_block=self.kv.num_blocks)
 
-    def prepare(self, requests: list[Request], num_new_tokens: list[int]) -> ModelInputs:
+    def prepare(self, requests: list[Request], num_new_tokens: list[int],
+                spec_token_ids: list[list[int]] | None = None) -> ModelInputs:
+        """The step's input tensors and metadata. A request verifying proposed tokens feeds its last
+        token and the proposals; without recurrent layers, each of them is a decode row of its own
+        (row j attends to the rows before it through the KV they write first), so that a step of
+        verifications stays a decode step (the platform's decode executor runs it)."""
         bs = self.kv.block_size
-        order = sorted(range(len(requests)), key=lambda i: num_new_tokens[i] != 1)  # decodes first, stable
+        spec = spec_token_ids or [[]] * len(requests)
+        as_rows = self.caches.state is None
+        decodes_first = [n == 1 or (as_rows and len(spec[i]) == n - 1) for i, n in enumerate(num_new_tokens)]
+        order = sorted(range(len(requests)), key=lambda i: not decodes_first[i])  # decodes first, stable
         ids: list[int] = []
         starts: list[int] = []
         lens: list[int] = []
         tables: list[list[int]] = []
+        last_rows: list[int] = []
         on_device: list[tuple[int, tuple[torch.Tensor, int]]] = []  # (flat index, pending token)
         for i in order:
-            req, n = requests[i], num_new_tokens[i]
+            req, n, proposed = requests[i], num_new_tokens[i], spec[i]
             start = req.num_computed_tokens
             if req.pending:  # tokens not yet read back: take them from where they were sampled
                 first = req.num_tokens - len(req.pending)
                 on_device.extend((len(ids) + pos - start, req.pending[pos - first])
                                  for pos in range(max(start, first), start + n))
-            ids.extend(req.all_token_ids[start:start + n])
-            starts.append(start)
-            lens.append(n)
-            tables.append(self.kv.block_ids(req.request_id))
+            ids.extend(req.all_token_ids[start:start + n - len(proposed)])
+            ids.extend(proposed)
+            table = self.kv.block_ids(req.request_id)
+            if proposed and as_rows:
+                starts.extend(range(start, start + n))
+                lens.extend([1] * n)
+                tables.extend([table] * n)
+            else:
+                starts.append(start)
+                lens.append(n)
+                tables.append(table)
+            last_rows.append(len(ids) - 1)
         dev = self.device
         positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lens)])
         max_blocks = max(len(t) for t in tables)
         table_tensor = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.long)
-        owner = torch.repeat_interleave(torch.arange(len(order)), torch.tensor(lens))
+        owner = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))
         slots = table_tensor[owner, positions // bs] * bs + positions % bs
         meta = build_metadata(slots, starts, lens, table_tensor, bs, self.model.config.sliding_window, dev)
         fresh = None
@@ -138,12 +169,28 @@ class ModelRunner:
             meta.state_slots = torch.tensor(slots, dtype=torch.long, device=dev)
             first = [slot for slot, start in zip(slots, starts) if start == 0]
             fresh = torch.tensor(first, dtype=torch.long, device=dev) if first else None
-        logits_indices = (torch.tensor(lens).cumsum(0) - 1).tolist()
+            checkpoints = self._checkpoints(order, spec)
+            num_decodes = sum(1 for i in order if num_new_tokens[i] == 1)
+            meta.state_checkpoints = {order.index(i) - num_decodes: c for i, c in checkpoints.items()}
+        else:
+            checkpoints = {}
         input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
         if on_device:
             where = torch.tensor([flat for flat, _ in on_device], device=dev)
             input_ids[where] = torch.stack([t[row] for _, (t, row) in on_device])
-        return ModelInputs(input_ids, positions.to(dev), meta, order, logits_indices, fresh)
+        return ModelInputs(input_ids, positions.to(dev), meta, order, last_rows, fresh, checkpoints)
+
+    def _checkpoints(self, order: list[int], spec: list[list[int]]) -> dict[int, list[int]]:
+        """For recurrent layers: per request (batch index) that verifies k proposals, the k state
+        slots that keep its states after each of its tokens but the last, so that the runner can
+        roll the state back to the last accepted token."""
+        out: dict[int, list[int]] = {}
+        base, k_max = self.caches.state.checkpoint_base, self.num_speculative_tokens
+        for i in order:
+            if spec[i]:
+                first = base + len(out) * k_max
+                out[i] = list(range(first, first + len(spec[i])))
+        return out
 
     @torch.inference_mode()
     def forward(self, inputs: ModelInputs) -> torch.Tensor:
@@ -187,12 +234,19 @@ class ModelRunner:
         for req, entry in batch.restores:
             self.write_prompt_kv(req, entry.kv)
         self.copy_states(batch.state_restores)
-        inputs = self.prepare(batch.requests, batch.num_new_tokens)
+        inputs = self.prepare(batch.requests, batch.num_new_tokens, batch.spec_token_ids)
         hidden = self.forward(inputs)
         self.copy_states([save for _, save in batch.state_saves])
         failed: dict[str, RequestError] = {}
         sampled = self._sample(batch, inputs, hidden, failed)
-        return StepResult(sampled, self._prompt_logprobs(batch, inputs, hidden, failed), failed)
+        drafts = self.speculative.after_step(batch, inputs, hidden, sampled) if self.speculative else {}
+        return StepResult(sampled, self._prompt_logprobs(batch, inputs, hidden, failed), failed, drafts)
+
+    def forget(self, request_id: str) -> None:
+        """A request ended: drop what the sampler and the proposer kept for it."""
+        self.sampler.forget(request_id)
+        if self.speculative is not None:
+            self.speculative.forget(request_id)
 
     @torch.inference_mode()
     def copy_states(self, copies: list) -> None:
@@ -243,15 +297,20 @@ class ModelRunner:
 
     def _sample(self, batch: ScheduledBatch, inputs: ModelInputs, hidden: torch.Tensor,
                 failed: dict[str, RequestError]) -> dict[str, SampledToken]:
-        sampling = [(pos, batch.requests[i]) for pos, i in enumerate(inputs.order)
-                    if batch.requests[i].num_computed_tokens + batch.num_new_tokens[i]
+        spec = batch.spec_token_ids or [[]] * len(batch.requests)
+        sampling = [(pos, i) for pos, i in enumerate(inputs.order)
+                    if batch.requests[i].num_computed_tokens + batch.num_new_tokens[i] - len(spec[i])
                     == batch.requests[i].num_tokens]
         if not sampling:
             return {}
-        rows = torch.tensor([inputs.logits_indices[pos] for pos, _ in sampling], device=self.device)
-        logits = self.model.compute_logits(hidden[rows])
-        reqs = [r for _, r in sampling]
+        reqs = [batch.requests[i] for _, i in sampling]
+        proposals = [spec[i] for _, i in sampling]
+        rows = [list(range(inputs.logits_indices[pos] - len(spec[i]), inputs.logits_indices[pos] + 1))
+                for pos, i in sampling]
+        logits = self.model.compute_logits(hidden[torch.tensor([r for rs in rows for r in rs], device=self.device)])
         with nullcontext() if self.profiler is None else self.profiler.region("sampling"):
+            if any(proposals):
+                return self._verify(logits, rows, reqs, proposals, [i for _, i in sampling], inputs, failed)
             result: SampleResult = self.sampler(logits, reqs)
         for i, error in result.failed.items():
             failed[reqs[i].request_id] = error
@@ -259,3 +318,28 @@ class ModelRunner:
         return {r.request_id: SampledToken(host[i] if host is not None and r.sync_every == 1 else None,
                                            result.logprobs[i], (result.tokens, i))
                 for i, r in enumerate(reqs) if i not in result.failed}
+
+    def _verify(self, logits: torch.Tensor, rows: list[list[int]], reqs: list[Request], proposals: list[list[int]],
+                batch_index: list[int], inputs: ModelInputs, failed: dict[str, RequestError]) -> dict[str, SampledToken]:
+        """A step with proposals to verify (speculative/verify.py); recurrent states go back to
+        the last accepted token."""
+        first = 0
+        flat_rows = []
+        for r in rows:
+            flat_rows.append(list(range(first, first + len(r))))
+            first += len(r)
+        found = verify(self.sampler, logits, flat_rows, reqs, proposals, self.max_model_len)
+        rollbacks = []
+        out = {}
+        for k, req in enumerate(reqs):
+            if k in found.failed:
+                failed[req.request_id] = found.failed[k]
+                continue
+            tokens, lps = found.tokens[k], found.logprobs[k]
+            out[req.request_id] = SampledToken(tokens[-1], lps[-1], None, tokens[:-1], lps[:-1])
+            checkpoints = inputs.state_checkpoints.get(batch_index[k])
+            accepted = len(tokens) - 1
+            if checkpoints is not None and accepted < len(checkpoints):
+                rollbacks.append(StateCopy(checkpoints[accepted], self.caches.state.slot(req.request_id)))
+        self.copy_states(rollbacks)
+        return out

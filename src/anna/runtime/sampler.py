@@ -65,8 +65,7 @@ class Sampler:
         without applying anything twice; draws stay per row, from each request's generator."""
         params = [r.sampling_params for r in requests]
         raw = logits
-        if all(p.greedy and not _needs_processing(r) for p, r in zip(params, requests)) \
-                and all(p.logprobs is None for p in params):
+        if is_plain_greedy(requests):
             return SampleResult(self.argmax(logits), [None] * len(requests))
         logits = logits.clone()
         failed: dict[int, RequestError] = {}
@@ -235,6 +234,12 @@ def token_logprobs(logits: torch.Tensor, targets: list[int],
     vals, ids = (torch.topk(lp, k) if k else (lp[:, :0], lp[:, :0].long()))
     vals, ids = vals.tolist(), ids.tolist()
     return [(chosen[r], list(zip(ids[r][:top[r]], vals[r][:top[r]]))) for r in range(len(targets))]
+
+
+def is_plain_greedy(requests: list[Request]) -> bool:
+    """Whether every row's token is the argmax of its raw logits (and no logprobs are asked for)."""
+    return all(r.sampling_params.greedy and r.sampling_params.logprobs is None and not _needs_processing(r)
+               for r in requests)
 
 
 def _needs_processing(req: Request) -> bool:

@@ -35,6 +35,10 @@ class SchedulerConfig:
     long_prefill_token_threshold: int  # chunk size for a prefill that runs beside decodes
     prefill_interval_steps: int
     event_driven_prefill_insert: bool
+    # Speculative decoding: KV slots a model proposer writes beyond a step's tokens (0 for n-gram
+    # proposals, which need none), and the batch size above which no step speculates (0 = none)
+    num_lookahead_tokens: int = 0
+    speculation_max_batch: int = 0
 
 
 @dataclass
@@ -45,6 +49,10 @@ class ScheduledBatch:
     restores: list[tuple[Request, PromptCacheEntry]] = field(default_factory=list)  # exact prompt cache hits
     state_restores: list[StateCopy] = field(default_factory=list)  # before the step: prefix hits' states
     state_saves: list[tuple[Request, StateCopy]] = field(default_factory=list)  # after it: states to snapshot
+    # per request: the proposed tokens this step verifies after its last token (counted in
+    # num_new_tokens), and whether the proposer may write KV beyond the step's tokens (lookahead)
+    spec_token_ids: list[list[int]] = field(default_factory=list)
+    may_propose: list[bool] = field(default_factory=list)
     step_class: StepClass = StepClass.PURE_DECODE
 
     @property
@@ -57,11 +65,35 @@ class ScheduledBatch:
 
 @dataclass
 class TokenEvent:
-    """What a step gave one request: a token, or (sync window) a token still on the device."""
+    """What a step gave one request: its new tokens (several when proposed tokens were accepted),
+    none (a prefill chunk), or (sync window) a token still on the device."""
 
     req: Request
-    token: int | None  # None: left on the device, see Request.pending
-    logprobs: tuple | None = None
+    tokens: list[int]  # empty: none, or left on the device (see Request.pending)
+    logprobs: list[tuple | None] = field(default_factory=list)  # one per token, None where not asked for
+
+
+@dataclass(frozen=True)
+class Stop:
+    reason: str  # stop | length
+    stop_reason: int | None = None  # the stop token id that ended it
+    by_token: bool = False  # the token itself ended it (EOS, a stop token id): its text is not output
+
+
+def stop_after(req: Request, token: int, max_model_len: int) -> Stop | None:
+    """Whether the request ends with this token, just appended (and consumed by its grammar):
+    the stop checks that token ids decide."""
+    p = req.sampling_params
+    may_stop = req.num_output_tokens >= p.min_tokens
+    if may_stop and not p.ignore_eos and token in req.eos_token_ids:
+        return Stop("stop", by_token=True)
+    if may_stop and token in p.stop_token_ids:
+        return Stop("stop", token, by_token=True)
+    if req.grammar is not None and req.grammar.is_stopped():  # the grammar is complete: nothing may follow
+        return Stop("stop")
+    if req.num_output_tokens >= p.max_tokens or req.num_tokens >= max_model_len:
+        return Stop("length")
+    return None
 
 
 class Scheduler:
@@ -113,6 +145,7 @@ class Scheduler:
         batch = ScheduledBatch()
         budget = cfg.max_num_batched_tokens
         continuing_prefill = False
+        speculating = not cfg.speculation_max_batch or len(self.running) + len(self.waiting) <= cfg.speculation_max_batch
         for req in list(self.running):
             if req.status is RequestStatus.PREEMPTED:  # preempted while making room for an earlier request
                 continue
@@ -122,7 +155,11 @@ class Scheduler:
             if n > 1 and len(self.running) > 1:
                 n = min(n, cfg.long_prefill_token_threshold)
             n = self.caches.snapshot_boundary(req, req.num_computed_tokens, n) - req.num_computed_tokens
-            while not self.caches.allocate_slots(req, n):
+            spec, lookahead, may_propose = self._speculation(req, n, budget, speculating)
+            while not self.caches.allocate_slots(req, n + len(spec), num_lookahead_tokens=lookahead):
+                if may_propose:  # under memory pressure speculation goes before anyone is preempted
+                    spec, lookahead, may_propose = [], 0, False
+                    continue
                 victim = self.running[-1]
                 self._preempt(victim)
                 batch.preempted.append(victim)
@@ -132,9 +169,8 @@ class Scheduler:
                 continue
             continuing_prefill |= n > 1
             self._plan_save(batch, req, req.num_computed_tokens, n)
-            batch.requests.append(req)
-            batch.num_new_tokens.append(n)
-            budget -= n
+            self._add(batch, req, n, spec, may_propose)
+            budget -= n + len(spec)
 
         num_decoding = len(batch.requests)
         admitted = False
@@ -161,9 +197,12 @@ class Scheduler:
                     n = min(n, cfg.long_prefill_token_threshold)
                 n = self.caches.snapshot_boundary(req, num_cached, n) - num_cached
                 req.num_computed_tokens = num_cached if restore else 0
-                if not self.caches.allocate_slots(req, n, hit.blocks):
-                    req.num_computed_tokens = 0
-                    break
+                _, lookahead, may_propose = self._speculation(req, n, budget, speculating)
+                if not self.caches.allocate_slots(req, n, hit.blocks, lookahead):
+                    may_propose = False
+                    if not lookahead or not self.caches.allocate_slots(req, n, hit.blocks):
+                        req.num_computed_tokens = 0
+                        break
                 self.waiting.popleft()
                 if restore is not None:
                     batch.restores.append((req, restore))
@@ -178,8 +217,7 @@ class Scheduler:
                 req.num_computed_tokens = num_cached
                 req.status = RequestStatus.RUNNING
                 self.running.append(req)
-                batch.requests.append(req)
-                batch.num_new_tokens.append(n)
+                self._add(batch, req, n, [], may_propose)
                 budget -= n
                 admitted = True
             self.waiting.extendleft(reversed(deferred))
@@ -191,6 +229,28 @@ class Scheduler:
         elif continuing_prefill or batch.preempted:
             batch.step_class = StepClass.BUDGET_RECOMPUTE
         return batch
+
+    def _speculation(self, req: Request, n: int, budget: int, speculating: bool) -> tuple[list[int], int, bool]:
+        """The proposed tokens this step verifies for the request (after its one decode token), the
+        KV slots its proposer may write beyond the step, and whether it may propose after the
+        step. Proposals count against the token budget like any tokens, and never run past
+        max_tokens or max_model_len."""
+        if not speculating or not req.sampling_params.speculative:
+            return [], 0, False
+        lookahead = self.config.num_lookahead_tokens
+        spec = req.spec_token_ids
+        if not spec or n != 1 or req.num_tokens - req.num_computed_tokens != 1 or req.pending:
+            return [], lookahead, True
+        room = min(budget - 1, req.sampling_params.max_tokens - req.num_output_tokens - 1,
+                   self.max_model_len - req.num_tokens - 1)
+        return spec[:max(room, 0)], lookahead, True
+
+    @staticmethod
+    def _add(batch: ScheduledBatch, req: Request, n: int, spec: list[int], may_propose: bool) -> None:
+        batch.requests.append(req)
+        batch.num_new_tokens.append(n + len(spec))
+        batch.spec_token_ids.append(spec)
+        batch.may_propose.append(may_propose)
 
     def _plan_save(self, batch: ScheduledBatch, req: Request, start: int, n: int) -> None:
         save = self.caches.plan_save(req, start, n)
@@ -211,21 +271,27 @@ class Scheduler:
             self.caches.saved(save, req.request_id not in result.failed)
         events: list[TokenEvent] = []
         due: list[Request] = []
-        for req, n in zip(batch.requests, batch.num_new_tokens):
+        spec = batch.spec_token_ids or [[]] * len(batch.requests)
+        for req, n, proposed in zip(batch.requests, batch.num_new_tokens, spec):
             if req.is_finished or req.request_id in result.failed:
                 continue
-            req.num_computed_tokens += n
             token = result.sampled.get(req.request_id)
+            accepted = token.accepted if token is not None else []
+            # the KV of rejected proposals is left behind the computed count: the next step overwrites it
+            req.num_computed_tokens += n - len(proposed) + len(accepted)
+            req.spec_token_ids = result.drafts.get(req.request_id, [])
+            if proposed:
+                self.stats.spec.record(len(proposed), len(accepted))
             if token is None:
-                events.append(TokenEvent(req, None))  # a prefill chunk: no token yet
+                events.append(TokenEvent(req, []))  # a prefill chunk: no token yet
                 continue
             if token.value is not None:
-                events.append(TokenEvent(req, token.value, token.logprobs))
+                events.append(TokenEvent(req, [*accepted, token.value], [*token.accepted_logprobs, token.logprobs]))
                 continue
             req.append_output_token(PENDING_TOKEN)
             req.pending.append(token.ref)
             self.record_token(req)
-            events.append(TokenEvent(req, None))
+            events.append(TokenEvent(req, []))
             if len(req.pending) >= req.sync_every or req.num_output_tokens >= req.sampling_params.max_tokens \
                     or req.num_tokens >= self.max_model_len:
                 due.append(req)
@@ -257,7 +323,6 @@ class Scheduler:
         """Append a sampled token and run the stop checks token ids decide; True when the token
         itself ended the request (EOS, a stop token id, rejected by the grammar: its text is not
         part of the output). A request that ends here is finished and freed."""
-        p = req.sampling_params
         req.append_output_token(token)
         if record:
             self.record_token(req)
@@ -266,17 +331,10 @@ class Scheduler:
                       req.grammar.get_error())
             self.finish(req, "stop")
             return True
-        may_stop = req.num_output_tokens >= p.min_tokens
-        if may_stop and not p.ignore_eos and token in req.eos_token_ids:
-            self.finish(req, "stop")
-            return True
-        if may_stop and token in p.stop_token_ids:
-            self.finish(req, "stop", stop_reason=token)
-            return True
-        if req.grammar is not None and req.grammar.is_stopped():  # the grammar is complete: nothing may follow
-            self.finish(req, "stop")
-        elif req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.max_model_len:
-            self.finish(req, "length")
+        end = stop_after(req, token, self.max_model_len)
+        if end is not None:
+            self.finish(req, end.reason, end.stop_reason)
+            return end.by_token
         return False
 
     def finish(self, req: Request, reason: str, stop_reason: int | str | None = None) -> None:

@@ -67,16 +67,24 @@ class StateSnapshots:
 
 
 class StateCacheManager:
-    def __init__(self, num_slots: int, num_snapshots: int = 0) -> None:
+    def __init__(self, num_slots: int, num_snapshots: int = 0, num_checkpoints: int = 0) -> None:
+        """``num_checkpoints``: speculative decoding's slots (after the snapshots'), where a step
+        that verifies proposed tokens keeps the state after each of them, to roll back to."""
         self.num_slots = num_slots
         self.free_slots = list(range(num_slots - 1, -1, -1))  # a stack: the lowest slot first
         self.slots: dict[str, int] = {}
         self.snapshots = StateSnapshots(num_slots, num_snapshots)
+        self.num_checkpoints = num_checkpoints
+
+    @property
+    def checkpoint_base(self) -> int:
+        return self.num_slots + self.snapshots.count
 
     @property
     def total_slots(self) -> int:
-        """Slots the runner's state tensors hold: the running sequences' and the snapshots'."""
-        return self.num_slots + self.snapshots.count
+        """Slots the runner's state tensors hold: the running sequences', the snapshots' and the
+        speculative checkpoints'."""
+        return self.num_slots + self.snapshots.count + self.num_checkpoints
 
     @property
     def num_free(self) -> int:

@@ -137,6 +137,8 @@ class AsyncEngine:
             log.info("Running: %d, waiting: %d, KV usage: %.1f%%, prefix cache hits: %d/%d tokens. %s",
                      snap.num_running, snap.num_waiting, 100 * snap.kv_usage, snap.prefix_cache_hits,
                      snap.prefix_cache_queries, snap.stats.steps.summary())
+            if snap.stats.spec.num_drafts:
+                log.info(snap.stats.spec.summary())
             if self.engine.profiler is not None:
                 log.info(self.engine.profiler.table())
 

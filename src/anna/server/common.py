@@ -122,7 +122,7 @@ def build_sampling_params(state: ServerState, req: SamplingFields, num_prompt_to
             include_stop_str_in_output=req.include_stop_str_in_output,
             skip_special_tokens=req.skip_special_tokens, logit_bias=logit_bias or None,
             allowed_token_ids=req.allowed_token_ids, truncate_prompt_tokens=req.truncate_prompt_tokens,
-            bad_words=req.bad_words,
+            bad_words=req.bad_words, speculative=req.speculative,
             structured_outputs=structured, output_kind="cumulative" if req.stream else "final_only")
     except ValueError as exc:
         raise invalid_request(exc) from None

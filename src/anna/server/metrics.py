@@ -68,6 +68,19 @@ class EngineCollector:
         for cls in StepClass:
             steps.add_metric(lv + [cls.value], stats.steps.counts.get(cls, 0))
         yield steps
+        spec = stats.spec
+        yield counter("spec_decode_num_drafts", "Speculative decoding: sequence steps that verified proposed tokens.",
+                      spec.num_drafts)
+        yield counter("spec_decode_num_draft_tokens", "Speculative decoding: proposed tokens verified.",
+                      spec.num_draft_tokens)
+        yield counter("spec_decode_num_accepted_tokens", "Speculative decoding: proposed tokens accepted.",
+                      spec.num_accepted_tokens)
+        per_pos = CounterMetricFamily("anna:spec_decode_num_accepted_tokens_per_pos",
+                                      "Speculative decoding: accepted tokens by position in the proposal.",
+                                      labels=labels + ["position"])
+        for pos, n in enumerate(spec.accepted_per_pos):
+            per_pos.add_metric(lv + [str(pos)], n)
+        yield per_pos
         yield counter("engine_step_spikes", "Steps longer than 3x their class's rolling mean.", stats.steps.spikes)
         for name, doc, hist in (
                 ("time_to_first_token_seconds", "Arrival to first token.", stats.ttft),

@@ -65,6 +65,7 @@ class SamplingFields(_Lenient):
     min_tokens: int = Field(default=0, ge=0)
     prompt_logprobs: int | None = Field(default=None, ge=0, le=20)  # vLLM's extension
     ignore_eos: bool = False
+    speculative: bool = True  # Anna's: false opts this request out of speculative decoding
     logit_bias: dict[str, float] | None = None
     allowed_token_ids: list[int] | None = None  # vLLM's extension
     bad_words: list[str] | None = None  # vLLM's extension
