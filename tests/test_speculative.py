@@ -1,0 +1,328 @@
+"""Speculative decoding: outputs are those of plain decoding (greedy: the same tokens; sampled:
+the same distribution), whatever the proposer, the architecture, the batch around a speculating
+sequence, chunked prefill, preemption and prefix hits; rejected proposals leave no trace."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+from anna.core.request import Request
+from anna.core.sampling_params import SamplingParams, StructuredOutputsParams
+from anna.core.speculative import SpeculativeConfig, parse_speculative_config
+from anna.runtime.engine import LLMEngine
+from anna.runtime.sampler import Sampler
+from anna.runtime.speculative.backoff import AcceptanceBackoff
+from anna.runtime.speculative.decoder import ProposalStep, SpeculativeDecoder
+from anna.runtime.speculative.ngram import NgramProposer
+from anna.runtime.speculative.verify import verify
+from conftest import engine_settings
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+FAMILIES = ["llama3", "mistral_swa", "qwen2", "qwen3", "mixtral", "qwen3_moe", "qwen3_5", "qwen3_5_moe", "qwen3_next"]
+
+
+def make_engine(path, cache_dir, spec=None, **kw) -> LLMEngine:
+    return LLMEngine(engine_settings(path, cache_dir, speculative_config=json.dumps(spec) if spec else "", **kw),
+                     show_progress=False)
+
+
+def drain(engine: LLMEngine, requests: list[tuple], max_steps: int = 5000) -> dict:
+    for rid, prompt, params in requests:
+        engine.add_request(rid, prompt, params)
+    out, steps = {}, 0
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                out[o.request_id] = o
+        steps += 1
+        assert steps < max_steps
+    return out
+
+
+def assert_pool_free(engine: LLMEngine) -> None:
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks
+    assert all(b.ref_cnt == 0 for b in engine.kv.pool.blocks)
+    state = engine.scheduler.caches.state
+    assert state is None or state.num_free == state.num_slots
+
+
+def looping_prompts(n: int = 4, seed: int = 0) -> list[list[int]]:
+    """Prompts with repeated stretches, so that prompt lookup finds matches from the start."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        motif = [rng.randrange(3, 700) for _ in range(rng.randrange(3, 9))]
+        out.append([rng.randrange(3, 700) for _ in range(rng.randrange(2, 12))] + motif * rng.randrange(3, 7))
+    return out
+
+
+def greedy(max_tokens: int = 40, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **kw)
+
+
+class OracleProposer:
+    """Proposes the continuation plain decoding produced, with one token in the proposal made
+    wrong at a position that changes from step to step: every count of accepted tokens, 0..K,
+    happens, so every rollback is exercised."""
+
+    lookahead = 0
+
+    def __init__(self, reference: dict[str, list[int]], prompts: dict[str, list[int]], k: int, seed: int = 0) -> None:
+        self.reference, self.prompts, self.k = reference, prompts, k
+        self.rng = random.Random(seed)
+
+    def propose(self, step: ProposalStep) -> dict[str, list[int]]:
+        out = {}
+        for i, req in enumerate(step.requests):
+            if not step.wants[i]:
+                continue
+            done = req.num_output_tokens + len(step.new_tokens(i))
+            truth = self.reference[req.request_id][done:done + self.k]
+            if not truth:
+                continue
+            wrong = self.rng.randrange(len(truth) + 1)  # len(truth): all right
+            out[req.request_id] = [t if j != wrong else (t + 1) % 700 for j, t in enumerate(truth)]
+        return out
+
+    def forget(self, request_id: str) -> None:
+        pass
+
+
+# ---- configuration ----
+def test_config_is_resolved_with_defaults_and_checked():
+    assert json.loads(parse_speculative_config('{"method": "ngram", "num_speculative_tokens": 3}')) == {
+        "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 5, "prompt_lookup_max": 5,
+        "disable_by_batch_size": 0, "min_acceptance_rate": 0.2}
+    assert json.loads(parse_speculative_config({"model": "/d", "num_speculative_tokens": 2}))["method"] == "draft_model"
+    assert parse_speculative_config("") == "" and parse_speculative_config(None) == ""
+    for bad, field in [('{"method": "eagle", "num_speculative_tokens": 2}', "method"),
+                       ('{"method": "ngram"}', "num_speculative_tokens"),
+                       ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens"),
+                       ('{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, '
+                        '"prompt_lookup_max": 2}', "prompt_lookup_min"),
+                       ('{"method": "draft_model", "num_speculative_tokens": 2}', "model"),
+                       ('{"method": "mtp", "num_speculative_tokens": 2, "prompt_lookup_max": 3}', "prompt_lookup_max"),
+                       ('{"method": "ngram", "num_speculative_tokens": 2, "typo": 1}', "typo"),
+                       ("[1]", "speculative_config"), ("{", "speculative_config")]:
+        with pytest.raises(ValueError, match=f"speculative_config(\\.{field})?:"):
+            parse_speculative_config(bad)
+
+
+def test_setting_from_env_keyword_and_table(qwen2_dir, cache_dir):
+    from anna.core.config import ServeSettings
+
+    resolved = ServeSettings().resolve(env={"ANNA_SPECULATIVE_CONFIG": '{"method":"ngram","num_speculative_tokens":2}'})
+    assert json.loads(resolved.speculative_config)["prompt_lookup_max"] == 5
+    assert resolved.sources["speculative_config"] == "env"
+    assert '"num_speculative_tokens": 2' in resolved.table()
+    from anna import LLM
+
+    llm = LLM(str(qwen2_dir), dtype="float32", device="cpu", cache_dir=str(cache_dir), max_model_len=256,
+              num_gpu_blocks_override=64, speculative_config=NGRAM)
+    assert llm.llm_engine.runner.speculative is not None
+    with pytest.raises(ValueError, match="speculative_config.num_speculative_tokens"):
+        LLM(str(qwen2_dir), speculative_config={"method": "ngram", "num_speculative_tokens": 99})
+
+
+# ---- the n-gram proposer ----
+def test_ngram_lookup_takes_the_longest_most_recent_match():
+    p = NgramProposer(3, 1, 3)
+    tokens = [1, 2, 3, 9, 8, 1, 2, 3, 7, 6, 5, 4, 2, 3]
+    assert p.lookup("a", tokens) == [7, 6, 5]  # (2, 3) last seen before 7; the 3-gram (4, 2, 3) never
+    assert p.lookup("a", tokens + [7, 6]) == [5, 4, 2]  # the index grows with the tokens
+    assert NgramProposer(3, 2, 2).lookup("b", [5, 6, 7, 8]) == []
+    assert NgramProposer(4, 1, 2).lookup("c", [1, 2, 1, 2]) == [1, 2, 1, 2]  # a repeating stretch continues
+    assert NgramProposer(5, 1, 1).lookup("d", [3, 3, 3]) == [3] * 5
+
+
+def test_backoff_pauses_a_sequence_whose_proposals_fail_and_resumes():
+    b = AcceptanceBackoff(0.5)
+    for _ in range(2):
+        assert b.allows("r")
+        b.observe("r", 4, 0)
+    assert [b.allows("r") for _ in range(5)] == [False] * 4 + [True]
+    b.observe("r", 8, 8)  # a good window
+    assert b.allows("r")
+    assert AcceptanceBackoff(0.0).allows("x")
+
+
+# ---- verification: the speculative-sampling rule ----
+def _request(rid: str, params: SamplingParams, output: list[int] = ()) -> Request:
+    req = Request(rid, [1, 2, 3], params)
+    for t in output:
+        req.append_output_token(t)
+    return req
+
+
+def test_rejection_sampling_keeps_the_target_distribution():
+    """Position 0's token is distributed as the target's p0 whatever the proposal; given the
+    proposal was accepted, position 1's is distributed as p1. A rule that kept the proposal too
+    often, or drew the correction from p0 without excluding the proposal (the residual not
+    renormalised), moves the histogram far past the bound."""
+    torch.manual_seed(0)
+    vocab = 6
+    p0 = torch.tensor([0.30, 0.25, 0.20, 0.12, 0.08, 0.05])
+    p1 = torch.tensor([0.05, 0.05, 0.50, 0.20, 0.10, 0.10])
+    logits = torch.stack([p0.log(), p1.log(), p1.log()])  # the last row: position 2 (never reached in the count)
+    sampler = Sampler(seed=1234, device=torch.device("cpu"))
+    params = SamplingParams(temperature=1.0, max_tokens=100)
+    n = 20000
+    first = torch.zeros(vocab)
+    second = torch.zeros(vocab)
+    accepted0 = 0
+    for i in range(n):
+        found = verify(sampler, logits, [[0, 1, 2]], [_request(f"r{i}", params)], [[1, 4]], max_model_len=1 << 20)
+        tokens = found.tokens[0]
+        first[tokens[0]] += 1
+        if tokens[0] == 1:
+            accepted0 += 1
+            second[tokens[1]] += 1
+    assert abs(accepted0 / n - p0[1]) < 0.015  # P(accept) = p(d)
+    assert (first / n - p0).abs().max() < 0.015
+    assert (second / second.sum() - p1).abs().max() < 0.03
+
+
+def test_verification_sees_penalties_and_bans_of_the_accepted_tokens():
+    """Position j is sampled as if the accepted proposals were already output: a proposal that
+    a penalty or a bad word would forbid after the ones before it is rejected."""
+    sampler = Sampler(seed=0, device=torch.device("cpu"))
+    logits = torch.zeros(3, 8)
+    logits[:, 5] = 5.0  # token 5 is every position's favourite
+    logits[:, 6] = 4.0
+    plain = _request("a", SamplingParams(temperature=0, max_tokens=10))
+    assert verify(sampler, logits, [[0, 1, 2]], [plain], [[5, 5]], 1 << 20).tokens[0] == [5, 5, 5]
+    penalized = _request("b", SamplingParams(temperature=0, max_tokens=10, repetition_penalty=2.0))
+    found = verify(sampler, logits, [[0, 1, 2]], [penalized], [[5, 5]], 1 << 20)
+    assert found.tokens[0] == [5, 6]  # after one 5, the penalty (5 / 2 < 4) makes 6 the argmax
+    assert penalized.output_token_ids == [] and penalized.all_token_ids == [1, 2, 3]  # taken back
+
+
+def test_verification_stops_at_a_token_that_ends_the_request():
+    sampler = Sampler(seed=0, device=torch.device("cpu"))
+    logits = torch.zeros(3, 8)
+    logits[0, 2], logits[1, 7], logits[2, 4] = 5.0, 5.0, 5.0
+    req = _request("a", SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[7]))
+    assert verify(sampler, logits, [[0, 1, 2]], [req], [[2, 7]], 1 << 20).tokens[0] == [2, 7]
+    short = _request("b", SamplingParams(temperature=0, max_tokens=1))
+    assert verify(sampler, logits, [[0, 1, 2]], [short], [[2, 7]], 1 << 20).tokens[0] == [2]
+
+
+# ---- the engine: greedy outputs unchanged ----
+def use_oracle(engine: LLMEngine, reference: dict, requests: list[tuple], k: int = 4) -> None:
+    engine.runner.speculative = SpeculativeDecoder(SpeculativeConfig("ngram", k, 1, 1, min_acceptance_rate=0),
+                                                   OracleProposer(reference, {r: p for r, p, _ in requests}, k))
+
+
+def assert_rollbacks_of_every_length(engine: LLMEngine, k: int = 4) -> None:
+    spec = engine.stats.spec
+    assert spec.num_drafts > 10 and len(spec.accepted_per_pos) == k
+    assert 0 < spec.accepted_per_pos[-1] < spec.accepted_per_pos[0] < spec.num_drafts
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_outputs_equal_plain_decoding(hf_models, cache_dir, family):
+    """Every architecture family: with prompt lookup, and with proposals wrong at every position
+    (0..K accepted, so KV and recurrent states go back to every point), speculating requests
+    batched with an opted-out one; every KV block and state slot comes back."""
+    path = hf_models[family][1]
+    requests = [(f"r{i}", p, greedy(speculative=i != 1)) for i, p in enumerate(looping_prompts())]
+    plain = drain(make_engine(path, cache_dir), requests)
+    reference = {rid: o.outputs[0].token_ids for rid, o in plain.items()}
+    engine = make_engine(path, cache_dir, NGRAM)
+    assert {rid: o.outputs[0].token_ids for rid, o in drain(engine, requests).items()} == reference
+    assert_pool_free(engine)
+    engine = make_engine(path, cache_dir, NGRAM)
+    use_oracle(engine, reference, requests)
+    assert {rid: o.outputs[0].token_ids for rid, o in drain(engine, requests).items()} == reference
+    assert_rollbacks_of_every_length(engine)
+    assert_pool_free(engine)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3_5"])
+def test_chunked_prefill_preemption_and_prefix_hits(hf_models, cache_dir, family):
+    """Long prompts in small chunks, a KV pool small enough to preempt, and requests that share
+    a prefix: the same tokens as plain decoding under the same pressure, and no leak."""
+    path = hf_models[family][1]
+    rng = random.Random(3)
+    shared = (looping_prompts(1, seed=5)[0] * 4)[:64]
+    prompts = [shared + [rng.randrange(3, 700) for _ in range(rng.randrange(1, 20))] for _ in range(3)]
+    prompts += looping_prompts(3, seed=6)
+    requests = [(f"r{i}", p, greedy(64)) for i, p in enumerate(prompts)]
+    kw = dict(num_gpu_blocks_override=24, block_size=8, max_num_batched_tokens=32, long_prefill_token_threshold=16,
+              max_model_len=192)
+    plain = drain(make_engine(path, cache_dir, **kw), requests)
+    reference = {rid: o.outputs[0].token_ids for rid, o in plain.items()}
+    for oracle in (False, True):
+        engine = make_engine(path, cache_dir, NGRAM, **kw)
+        if oracle:
+            use_oracle(engine, reference, requests)
+        got = drain(engine, requests)
+        assert {rid: o.outputs[0].token_ids for rid, o in got.items()} == reference
+        assert engine.scheduler.num_preemptions > 0 and engine.kv.prefix_cache_hits > 0
+        assert_pool_free(engine)
+    assert_rollbacks_of_every_length(engine)
+
+
+def test_speculation_goes_before_preemption(qwen2_dir, cache_dir):
+    """A pool with room for every sequence's plain decoding but not for its proposals: nobody is
+    preempted, the proposals shrink."""
+    prompts = looping_prompts(4, seed=2)
+    requests = [(f"r{i}", p[:15], greedy(16)) for i, p in enumerate(prompts)]  # 15 + 16 tokens: 2 blocks each
+    engine = make_engine(qwen2_dir, cache_dir, NGRAM, num_gpu_blocks_override=8, block_size=16,
+                         max_model_len=128)
+    plain = drain(make_engine(qwen2_dir, cache_dir, num_gpu_blocks_override=8, block_size=16,
+                         max_model_len=128), requests)
+    got = drain(engine, requests)
+    assert engine.scheduler.num_preemptions == 0
+    assert {r: o.outputs[0].token_ids for r, o in got.items()} == {r: o.outputs[0].token_ids for r, o in plain.items()}
+
+
+def test_stop_strings_and_max_tokens_inside_an_accepted_run(qwen2_dir, cache_dir):
+    prompts = looping_prompts(3, seed=4)
+    plain_engine = make_engine(qwen2_dir, cache_dir)
+    full = drain(plain_engine, [(f"r{i}", p, greedy(40)) for i, p in enumerate(prompts)])
+    requests = []
+    for i, p in enumerate(prompts):
+        text = full[f"r{i}"].outputs[0].text
+        stop = text[len(text) // 2:len(text) // 2 + 3].strip() or None
+        requests.append((f"s{i}", p, greedy(40, stop=[stop] if stop else None)))
+        requests.append((f"m{i}", p, greedy(7 + 3 * i)))
+    plain = drain(plain_engine, requests)
+    engine = make_engine(qwen2_dir, cache_dir, NGRAM)
+    got = drain(engine, requests)
+    for rid, _, _ in requests:
+        a, b = got[rid].outputs[0], plain[rid].outputs[0]
+        assert (a.token_ids, a.text, a.finish_reason) == (b.token_ids, b.text, b.finish_reason), rid
+    assert engine.stats.spec.num_accepted_tokens > 0
+    assert engine.stats.generation_tokens == plain_engine.stats.generation_tokens - sum(
+        len(o.outputs[0].token_ids) for o in full.values())
+    assert_pool_free(engine)
+
+
+def test_sampled_outputs_with_seeds_and_processing_match(qwen2_dir, cache_dir):
+    """A seeded request draws the same random numbers in the same order with or without
+    speculation, so with penalties, logit_bias, bad words, a grammar and logprobs its output is
+    the same tokens (and logprobs)."""
+    prompts = looping_prompts(4, seed=7)
+    kinds = [dict(temperature=0.8, top_p=0.9, seed=11), dict(temperature=0.7, repetition_penalty=1.3, seed=12),
+             dict(temperature=0.5, logit_bias={7: 3.0}, bad_words=["ab"], seed=13, logprobs=2),
+             dict(temperature=0.6, seed=14, structured_outputs=StructuredOutputsParams(regex="[a-z ]{5,40}"))]
+    requests = [(f"r{i}", p, SamplingParams(max_tokens=30, **kw)) for i, (p, kw) in enumerate(zip(prompts, kinds))]
+    plain = drain(make_engine(qwen2_dir, cache_dir), requests)
+    engine = make_engine(qwen2_dir, cache_dir, NGRAM)
+    use_oracle(engine, {rid: o.outputs[0].token_ids for rid, o in plain.items()}, requests)
+    got = drain(engine, requests)
+    for rid, _, _ in requests:
+        a, b = got[rid].outputs[0], plain[rid].outputs[0]
+        assert a.token_ids == b.token_ids, rid
+        if b.logprobs:
+            assert [list(x) for x in a.logprobs] == [list(x) for x in b.logprobs]
+            for x, y in zip(a.logprobs, b.logprobs):
+                for t in x:
+                    assert abs(x[t].logprob - y[t].logprob) < 1e-4
+    assert_rollbacks_of_every_length(engine)
+    assert_pool_free(engine)
