@@ -326,3 +326,137 @@ def test_sampled_outputs_with_seeds_and_processing_match(qwen2_dir, cache_dir):
                     assert abs(x[t].logprob - y[t].logprob) < 1e-4
     assert_rollbacks_of_every_length(engine)
     assert_pool_free(engine)
+
+
+# ---- a draft model ----
+@pytest.mark.parametrize("target,draft", [("qwen2", "qwen2"), ("qwen2", "llama3"), ("qwen3_5", "qwen3"),
+                                          ("qwen3_moe", "mistral_swa")])
+def test_draft_model_outputs_equal_plain_decoding(hf_models, cache_dir, target, draft):
+    """The draft keeps its own KV in the target's blocks; a draft that is the target itself is
+    accepted every time (its KV and positions are right), any other keeps outputs unchanged."""
+    path = hf_models[target][1]
+    requests = [(f"r{i}", p, greedy(speculative=i != 1)) for i, p in enumerate(looping_prompts())]
+    plain = drain(make_engine(path, cache_dir), requests)
+    spec = {"method": "draft_model", "model": str(hf_models[draft][1]), "num_speculative_tokens": 3}
+    engine = make_engine(path, cache_dir, spec, num_gpu_blocks_override=40, block_size=8, max_model_len=192,
+                         max_num_batched_tokens=24, long_prefill_token_threshold=12)
+    got = drain(engine, requests)
+    for rid, _, _ in requests:
+        assert got[rid].outputs[0].token_ids == plain[rid].outputs[0].token_ids, rid
+    stats = engine.stats.spec
+    assert stats.num_drafts > 10
+    if target == draft:
+        assert stats.num_accepted_tokens == stats.num_draft_tokens
+    assert_pool_free(engine)
+
+
+def test_draft_model_is_checked(hf_models, cache_dir):
+    with pytest.raises(ValueError, match="speculative_config.model: .*recurrent layers"):
+        make_engine(hf_models["qwen2"][1], cache_dir,
+                    {"method": "draft_model", "model": str(hf_models["qwen3_5"][1]), "num_speculative_tokens": 2})
+
+
+# ---- MTP ----
+def add_mtp_head(path, seed: int = 0) -> None:
+    """Random mtp.* tensors (one full-attention layer with a dense MLP), as a Qwen3.5 checkpoint
+    carries them, and mtp_num_hidden_layers in its config."""
+    from safetensors.torch import load_file, save_file
+
+    cfg = json.loads((path / "config.json").read_text())
+    hidden, heads, kv, hd, inter = (cfg[k] for k in ("hidden_size", "num_attention_heads", "num_key_value_heads",
+                                                      "head_dim", "intermediate_size"))
+    gen = torch.Generator().manual_seed(seed)
+
+    def w(*shape):
+        return torch.randn(*shape, generator=gen) * (0.3 if len(shape) == 1 else 0.08)
+
+    p = "mtp.layers.0."
+    tensors = {"mtp.fc.weight": w(hidden, 2 * hidden), "mtp.pre_fc_norm_embedding.weight": w(hidden),
+               "mtp.pre_fc_norm_hidden.weight": w(hidden), "mtp.norm.weight": w(hidden),
+               p + "input_layernorm.weight": w(hidden), p + "post_attention_layernorm.weight": w(hidden),
+               p + "self_attn.q_proj.weight": w(2 * heads * hd, hidden), p + "self_attn.k_proj.weight": w(kv * hd, hidden),
+               p + "self_attn.v_proj.weight": w(kv * hd, hidden), p + "self_attn.o_proj.weight": w(hidden, heads * hd),
+               p + "self_attn.q_norm.weight": w(hd), p + "self_attn.k_norm.weight": w(hd),
+               p + "mlp.gate_proj.weight": w(inter, hidden), p + "mlp.up_proj.weight": w(inter, hidden),
+               p + "mlp.down_proj.weight": w(hidden, inter)}
+    shard = path / "model.safetensors"
+    state = load_file(shard)
+    state.update(tensors)
+    save_file(state, shard, metadata={"format": "pt"})
+    cfg["mtp_num_hidden_layers"] = 1
+    (path / "config.json").write_text(json.dumps(cfg))
+
+
+@pytest.fixture(scope="module")
+def qwen3_5_with_mtp(hf_models, tmp_path_factory):
+    import shutil
+
+    model, src = hf_models["qwen3_5"]
+    path = tmp_path_factory.mktemp("mtp") / "qwen3_5_mtp"
+    shutil.copytree(src, path)
+    add_mtp_head(path)
+    return model, path
+
+
+def reference_mtp(model, path, hidden: torch.Tensor, tokens: list[int]) -> torch.Tensor:
+    """The MTP head in transformers' pieces: its layer is a Qwen3.5 full-attention decoder layer
+    (a one-layer Qwen3_5TextModel, whose final norm is mtp.norm), fed fc([norm(embedding) |
+    norm(hidden)]); logits by the target's lm_head. ``hidden[p]`` and ``tokens[p]`` (token p + 1)
+    make entry p."""
+    import transformers
+    from safetensors.torch import load_file
+
+    state = load_file(path / "model.safetensors")
+    cfg = transformers.Qwen3_5TextConfig(**{**json.loads((path / "config.json").read_text()), "num_hidden_layers": 1,
+                                            "layer_types": ["full_attention"]})
+    cfg._attn_implementation = "eager"
+    layer_model = transformers.models.qwen3_5.modeling_qwen3_5.Qwen3_5TextModel(cfg).eval()
+    layer_model.load_state_dict({k[len("mtp."):]: v for k, v in state.items()
+                                 if k.startswith("mtp.layers.") or k == "mtp.norm.weight"}, strict=False)
+    norm = transformers.models.qwen3_5.modeling_qwen3_5.Qwen3_5RMSNorm
+    pre_e, pre_h = norm(cfg.hidden_size, cfg.rms_norm_eps), norm(cfg.hidden_size, cfg.rms_norm_eps)
+    pre_e.weight.data.copy_(state["mtp.pre_fc_norm_embedding.weight"])
+    pre_h.weight.data.copy_(state["mtp.pre_fc_norm_hidden.weight"])
+    with torch.no_grad():
+        embeds = model.get_input_embeddings()(torch.tensor([tokens]))
+        x = torch.cat([pre_e(embeds), pre_h(hidden.unsqueeze(0))], dim=-1) @ state["mtp.fc.weight"].T
+        out = layer_model(inputs_embeds=x).last_hidden_state[0]
+    return out
+
+
+def test_mtp_proposals_match_a_transformers_reference(qwen3_5_with_mtp, cache_dir):
+    """After a prompt's prefill, the two proposals are the reference head's argmax at the last
+    position, then at the next one fed its own output and the first proposal."""
+    model, path = qwen3_5_with_mtp
+    prompt = looping_prompts(1, seed=9)[0][:12]
+    with torch.no_grad():
+        target = model.model(input_ids=torch.tensor([prompt])).last_hidden_state[0]
+        first = int(model.lm_head(target[-1]).argmax())
+    out = reference_mtp(model, path, target, prompt[1:] + [first])
+    d0 = int(model.lm_head(out[-1]).argmax())
+    out2 = reference_mtp(model, path, torch.cat([target, out[-1:]]), prompt[1:] + [first, d0])
+    d1 = int(model.lm_head(out2[-1]).argmax())
+    engine = make_engine(path, cache_dir, {"method": "mtp", "num_speculative_tokens": 2})
+    engine.add_request("r", prompt, greedy(8))
+    engine.step()
+    req = engine.scheduler.running[0]
+    assert req.output_token_ids == [first]
+    assert req.spec_token_ids == [d0, d1]
+
+
+def test_mtp_outputs_equal_plain_decoding(qwen3_5_with_mtp, cache_dir):
+    _, path = qwen3_5_with_mtp
+    requests = [(f"r{i}", p, greedy(speculative=i != 1)) for i, p in enumerate(looping_prompts())]
+    plain = drain(make_engine(path, cache_dir), requests)
+    engine = make_engine(path, cache_dir, {"method": "mtp", "num_speculative_tokens": 2}, num_gpu_blocks_override=40,
+                         block_size=8, max_model_len=192, max_num_batched_tokens=24, long_prefill_token_threshold=12)
+    got = drain(engine, requests)
+    for rid, _, _ in requests:
+        assert got[rid].outputs[0].token_ids == plain[rid].outputs[0].token_ids, rid
+    assert engine.stats.spec.num_drafts > 10
+    assert_pool_free(engine)
+
+
+def test_mtp_needs_the_head(hf_models, cache_dir):
+    with pytest.raises(ValueError, match="speculative_config.method: mtp needs"):
+        make_engine(hf_models["qwen3_5"][1], cache_dir, {"method": "mtp", "num_speculative_tokens": 2})

@@ -83,16 +83,18 @@ class CausalLM(nn.Module):
         return self.lm_head(hidden).float()
 
     # ---- weights ----
+    TOP_LEVEL_PARTS = ("lm_head", "mtp")  # modules named as they are, outside the family's checkpoint prefix
     # Checkpoint prefixes that hold no text-model weights -> why they are not loaded (logged once).
     SKIPPED_PREFIXES: dict[str, str] = {}
 
     def checkpoint_targets(self) -> dict[str, Loader]:
         """Every checkpoint tensor this model needs -> a function(tensor, name, where) that loads it."""
         targets: dict[str, Loader] = {}
-        prefix = self.family.checkpoint_prefix
         for mod_name, module in self.named_modules():
+            # the checkpoint's top-level parts (lm_head, a multi-token-prediction head) keep their names
+            prefix = "" if mod_name.split(".")[0] in self.TOP_LEVEL_PARTS else self.family.checkpoint_prefix
             if isinstance(module, (Linear, QuantLinear)):
-                full = "lm_head" if mod_name == "lm_head" else prefix + mod_name
+                full = prefix + mod_name
                 for kind in ("weight", "bias"):
                     if kind == "bias" and module.bias is None:
                         continue
@@ -108,6 +110,7 @@ class CausalLM(nn.Module):
             if hasattr(module, "own_checkpoint_targets"):  # parameters that are not linear layers or norms
                 for local, loader in module.own_checkpoint_targets().items():
                     targets[f"{prefix}{mod_name}.{local}"] = loader
+        prefix = self.family.checkpoint_prefix
         if self.embed_tokens is not None:
             targets[f"{prefix}embed_tokens.weight"] = partial(_copy_into, self.embed_tokens, 0.0)
         if self.config.tie_word_embeddings:

@@ -46,6 +46,8 @@ class ModelConfig:
     moe: MoeConfig | None = None  # a mixture-of-experts model
     linear_attention: LinearAttentionConfig | None = None  # a hybrid model (Gated DeltaNet + full attention)
     rotary_dim: int = 0  # dimensions of each head that rotary rotates (partial_rotary_factor); 0: all
+    mtp_num_hidden_layers: int = 0  # the checkpoint's multi-token-prediction layers (Qwen3.5, Qwen3-Next)
+    load_mtp: bool = False  # build and load them (speculative decoding's mtp method); not a checkpoint field
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @property
@@ -220,6 +222,7 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         moe=moe,
         linear_attention=linear,
         rotary_dim=rotary_dim,
+        mtp_num_hidden_layers=int(cfg.get("mtp_num_hidden_layers", 0) or 0) if family.hybrid else 0,
         raw=cfg,
     )
 

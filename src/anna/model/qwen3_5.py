@@ -10,7 +10,7 @@ experts with a sigmoid-gated shared expert (moe.py).
 Checkpoints: the text-only ``*ForCausalLM`` files name tensors ``model.*``; the vision-language
 ``*ForConditionalGeneration`` ones ``model.language_model.*``, beside a vision tower
 (``model.visual.*``, not loaded: images are not served) and, in both, the multi-token-prediction
-head (``mtp.*``, not loaded). Qwen3-Next fuses q/k/v/z and b/a into two projections, grouped per
+head (``mtp.*``, mtp.py: loaded only for speculative decoding's mtp method). Qwen3-Next fuses q/k/v/z and b/a into two projections, grouped per
 key head; they are split into Qwen3.5's order at load time, so one forward serves all three.
 """
 
@@ -29,6 +29,7 @@ from anna.model.gated_delta import GatedDeltaNet, state_spec
 from anna.model.layers import RopeBatch, RotaryEmbedding, ZeroCenteredRMSNorm
 from anna.model.linear import Linear, QuantLinear, check_shape, make_linear
 from anna.model.moe import decoder_mlp
+from anna.model.mtp import MultiTokenPredictor
 from anna.model.ops import TORCH_OPS, ModelOps, apply_rotary
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -106,7 +107,7 @@ class Qwen3_5ForCausalLM(CausalLM):
     stacked_params = {**STACKED_PARAMS, ".in_proj_qkv.": (".in_proj.", 0), ".in_proj_z.": (".in_proj.", 1),
                       ".in_proj_b.": (".in_proj_ba.", 0), ".in_proj_a.": (".in_proj_ba.", 1)}
     SKIPPED_PREFIXES = {"model.visual.": "the vision tower (Anna serves text; images are not served)",
-                        "mtp.": "the multi-token-prediction head (used by no decoding mode yet)"}
+                        "mtp.": "the multi-token-prediction head (loaded for speculative decoding's mtp method)"}
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, max_positions: int,
                  ops: ModelOps = TORCH_OPS, activation_dtype: torch.dtype | None = None) -> None:
@@ -114,6 +115,9 @@ class Qwen3_5ForCausalLM(CausalLM):
         self.rotary = RotaryEmbedding(cfg.rope_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, torch.float32)
         self.layers = nn.ModuleList(HybridDecoderLayer(cfg, i, dtype, self.activation_dtype, ops)
                                     for i in range(cfg.num_hidden_layers))
+        # the multi-token-prediction head, only where speculative decoding's mtp method asks for it
+        self.mtp = MultiTokenPredictor(cfg, dtype, self.activation_dtype, ops) \
+            if cfg.load_mtp and cfg.mtp_num_hidden_layers else None
 
     def cache_specs(self, dtype: torch.dtype) -> list[CacheSpec]:
         """Paged KV (in ``dtype``) for the full-attention layers; for the linear-attention layers a

@@ -5,6 +5,7 @@ settings section whole (core/config.py, SECTION_FIELDS)."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -77,6 +78,13 @@ def build_engine_parts(s: ResolvedSettings, show_progress: bool = True) -> Engin
     if is_demo:
         log.warning("No model given: using %s (%s)", model_dir, DEMO_NOTICE)
     cfg = load_model_config(model_dir)
+    spec_config = load_speculative_config(sch.speculative_config)
+    if spec_config is not None and spec_config.method == "mtp":
+        if not cfg.mtp_num_hidden_layers:
+            raise ValueError(f"speculative_config.method: mtp needs a checkpoint with a multi-token-prediction "
+                             f"head (mtp_num_hidden_layers in config.json and mtp.* tensors); {cfg.architecture} "
+                             f"at {model_dir} has none")
+        cfg = dataclasses.replace(cfg, load_mtp=True)
     tokenizer = Tokenizer(m.tokenizer or model_dir)
     if m.chat_template:
         tokenizer.chat_template = load_chat_template(m.chat_template)
@@ -98,11 +106,24 @@ def build_engine_parts(s: ResolvedSettings, show_progress: bool = True) -> Engin
                                                    m.int4_cache_load_workers, m.cache_dir),
                        show_progress=show_progress, huge_pages=cpu.cpu_huge_pages)
     specs = model.cache_specs(act_dtype)
-    spec_config = load_speculative_config(sch.speculative_config)
-    speculative = build_speculative_decoder(spec_config) if spec_config else None
-    executor = platform.decode_executor(ex.decode_executor, model, ops, profiling=profiler is not None,
+
+    def decode_executor_for(m: torch.nn.Module):
+        return platform.decode_executor(ex.decode_executor, m, ops, profiling=profiler is not None,
                                         max_num_seqs=sch.max_num_seqs, max_model_len=max_model_len,
                                         block_size=c.block_size)
+
+    executor = decode_executor_for(model)
+    speculative = None
+    if spec_config is not None:
+        speculative = build_speculative_decoder(
+            spec_config, target=model, target_config=cfg, platform=platform, block_size=c.block_size,
+            activation_dtype=act_dtype, executor=decode_executor_for,
+            load=lambda where, draft_cfg: load_model(
+                where, draft_cfg, dtype=dtype, platform=platform, ops=ops,
+                max_positions=max(max_model_len, draft_cfg.max_position_embeddings),
+                pipeline_workers=m.weight_load_pipeline_workers, activation_dtype=act_dtype,
+                show_progress=show_progress, huge_pages=cpu.cpu_huge_pages))
+    proposer_specs = list(getattr(speculative.proposer, "cache_specs", [])) if speculative else []
     executor_name = "graph" if executor is not None else "eager"
     log.info("Decode executor: %s", executor_name)
     profile_tokens = min(sch.max_num_batched_tokens, max_model_len)  # the largest prefill one step runs
@@ -110,7 +131,7 @@ def build_engine_parts(s: ResolvedSettings, show_progress: bool = True) -> Engin
                                    c.block_size)
     workspace = profile_decode_peak(model, specs, platform, sch.max_num_seqs, max_model_len, c.block_size) \
         if executor is not None and executor.spare_blocks else None
-    plan = plan_caches(specs, platform, block_size=c.block_size, max_model_len=max_model_len,
+    plan = plan_caches(specs + proposer_specs, platform, block_size=c.block_size, max_model_len=max_model_len,
                        kv_cache_memory_gib=c.kv_cache_memory, num_blocks_override=c.num_gpu_blocks_override,
                        memory_utilization=c.memory_utilization, max_num_seqs=sch.max_num_seqs,
                        weights=module_bytes(model), activation_peak=peak, profile_tokens=profile_tokens,

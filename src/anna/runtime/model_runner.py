@@ -117,6 +117,11 @@ class ModelRunner:
                                             num_slots=caches.state.total_slots if caches.state else 0,
                                             huge_pages=huge_pages)
         self.kv_caches = [c for c in self.layer_caches if isinstance(c, tuple)]  # the paged layers'
+        proposer_specs = getattr(speculative.proposer, "cache_specs", None) if speculative else None
+        if proposer_specs:  # a draft model's or MTP layer's KV: in the same blocks as the target's
+            speculative.proposer.attach(
+                allocate_caches(proposer_specs, platform, num_blocks=self.kv.num_blocks + spare,
+                                block_size=self.kv.block_size, num_slots=0, huge_pages=huge_pages), self.kv.block_ids)
         if decode_executor is not None:
             decode_executor.attach(self.layer_caches, pad_block=self.kv.num_blocks)
 

@@ -32,10 +32,11 @@ FORMAT_VERSION = 3  # 2: entries hold the kernels' layout; 3: fp16 group scales
 MANIFEST = "manifest.json"
 
 
-def cache_key(files: list[Path], group: int, device: str, layout: str) -> str:
-    """``device``: the platform's ``capability()`` (an entry is only read where it was written)."""
+def cache_key(files: list[Path], group: int, device: str, layout: str, parts: tuple[str, ...] = ()) -> str:
+    """``device``: the platform's ``capability()`` (an entry is only read where it was written);
+    ``parts``: optional parts of the model that were built (e.g. the multi-token-prediction head)."""
     ident = {"format": FORMAT_VERSION, "group": group, "torch": torch.__version__,
-             "device": device, "layout": layout,
+             "device": device, "layout": layout, **({"parts": list(parts)} if parts else {}),
              "files": [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files]}
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:24]
 
