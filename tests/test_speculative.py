@@ -139,15 +139,19 @@ def test_ngram_lookup_takes_the_longest_most_recent_match():
     assert NgramProposer(5, 1, 1).lookup("d", [3, 3, 3]) == [3] * 5
 
 
-def test_backoff_pauses_a_sequence_whose_proposals_fail_and_resumes():
+def test_backoff_pauses_probes_with_one_token_and_resumes():
     b = AcceptanceBackoff(0.5)
     for _ in range(2):
-        assert b.allows("r")
-        b.observe("r", 4, 0)
-    assert [b.allows("r") for _ in range(5)] == [False] * 4 + [True]
-    b.observe("r", 8, 8)  # a good window
-    assert b.allows("r")
-    assert AcceptanceBackoff(0.0).allows("x")
+        assert b.allowed("r", 4) == 4
+        b.observe("r", 4, 1)  # 2 of 8: below the rate
+    assert [b.allowed("r", 4) for _ in range(5)] == [0, 0, 0, 0, 1]  # a pause of 4 steps, then a probe
+    b.observe("r", 1, 0)  # the probe fails: the pause doubles
+    assert [b.allowed("r", 4) for _ in range(9)] == [0] * 8 + [1]
+    b.observe("r", 1, 1)  # it is accepted: full proposals again
+    assert b.allowed("r", 4) == 4
+    b.observe("r", 4, 4), b.observe("r", 4, 3)
+    assert b.allowed("r", 4) == 4
+    assert AcceptanceBackoff(0.0).allowed("x", 3) == 3
 
 
 # ---- verification: the speculative-sampling rule ----
@@ -460,3 +464,42 @@ def test_mtp_outputs_equal_plain_decoding(qwen3_5_with_mtp, cache_dir):
 def test_mtp_needs_the_head(hf_models, cache_dir):
     with pytest.raises(ValueError, match="speculative_config.method: mtp needs"):
         make_engine(hf_models["qwen3_5"][1], cache_dir, {"method": "mtp", "num_speculative_tokens": 2})
+
+
+# ---- over HTTP ----
+def test_server_speculates_counts_and_lets_a_request_opt_out(qwen2_dir, cache_dir, tmp_path):
+    """`anna serve --speculative-config`: the same completion with and without the request's opt-out,
+    vLLM's counters on /metrics (which `anna bench` reads), and a bad config refused at start."""
+    import asyncio
+    import subprocess
+    import sys
+
+    import httpx
+
+    from anna.bench.client import BenchClient, counter_deltas
+    from conftest import launch_server, stop_server
+
+    proc, base = launch_server(qwen2_dir, cache_dir, tmp_path / "server.log", "--speculative-config", json.dumps(NGRAM),
+                               "--no-inference-warmup")
+    try:
+        client = BenchClient(base, str(qwen2_dir))
+        before = asyncio.run(client.counters())
+        body = {"model": str(qwen2_dir), "prompt": looping_prompts(1)[0], "max_tokens": 40, "temperature": 0,
+                "ignore_eos": True}
+        plain = httpx.post(base + "/v1/completions", json={**body, "speculative": False}, timeout=60).json()
+        spec = httpx.post(base + "/v1/completions", json=body, timeout=60).json()
+        assert spec["choices"][0]["text"] == plain["choices"][0]["text"]
+        after = asyncio.run(BenchClient(base, str(qwen2_dir)).counters())
+        delta = counter_deltas(before, after)["spec_decode"]
+        assert delta["drafts"] > 0 and 0 < delta["accepted_tokens"] <= delta["draft_tokens"]
+        assert delta["acceptance_rate"] == delta["accepted_tokens"] / delta["draft_tokens"]
+        metrics = httpx.get(base + "/metrics").text
+        assert 'anna:spec_decode_num_accepted_tokens_per_pos_total{model_name=' in metrics
+        bad = httpx.post(base + "/v1/completions", json={**body, "speculative": "maybe"}, timeout=60)
+        assert bad.status_code == 400
+    finally:
+        assert stop_server(proc) == 0
+    refused = subprocess.run([sys.executable, "-m", "anna.cli.main", "serve", str(qwen2_dir), "--device", "cpu",
+                              "--speculative-config", '{"method": "ngram"}'], capture_output=True, text=True,
+                             timeout=120)
+    assert refused.returncode != 0 and "speculative_config.num_speculative_tokens" in refused.stderr

@@ -1,5 +1,6 @@
 """Talk to any OpenAI-compatible server over HTTP: streamed chat requests with timings, the
-model's max_model_len, and prefix-cache counters from /metrics when the server exposes them."""
+model's max_model_len, and prefix-cache and speculative-decoding counters from /metrics when the
+server exposes them."""
 
 from __future__ import annotations
 
@@ -13,10 +14,15 @@ import httpx
 
 from anna.bench.stats import RequestRecord
 
-PREFIX_COUNTERS = {  # server family -> (queries, hits) metric names, as Prometheus prints them
-    "anna": ("anna:prefix_cache_queries_total", "anna:prefix_cache_hits_total"),
-    "vllm": ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total"),
+# What a scenario reads from /metrics before and after: counter -> its name per server family, as
+# Prometheus prints them. prefix: queries, hits (tokens); spec_decode: speculative decoding's drafts,
+# draft tokens, accepted tokens.
+COUNTERS = {
+    "prefix": {"queries": "prefix_cache_queries_total", "hits": "prefix_cache_hits_total"},
+    "spec_decode": {"drafts": "spec_decode_num_drafts_total", "draft_tokens": "spec_decode_num_draft_tokens_total",
+                    "accepted_tokens": "spec_decode_num_accepted_tokens_total"},
 }
+SERVER_FAMILIES = ("anna", "vllm")  # metric name prefixes
 
 
 class BenchClient:
@@ -52,19 +58,23 @@ class BenchClient:
             pass
         return None
 
-    async def prefix_counters(self) -> dict[str, float] | None:
-        """{"queries": q, "hits": h} summed over label sets, or None when /metrics has neither family."""
+    async def counters(self) -> dict[str, dict[str, float] | None]:
+        """{"prefix": {"queries": q, "hits": h}, "spec_decode": {...}} summed over label sets; a
+        group is None when /metrics has none of it (or there is no /metrics)."""
+        out: dict[str, dict[str, float] | None] = {group: None for group in COUNTERS}
         try:
             r = await self.http.get("/metrics")
         except httpx.HTTPError:
-            return None
+            return out
         if r.status_code != 200:
-            return None
-        for queries, hits in PREFIX_COUNTERS.values():
-            q, h = _metric_sum(r.text, queries), _metric_sum(r.text, hits)
-            if q is not None and h is not None:
-                return {"queries": q, "hits": h}
-        return None
+            return out
+        for group, names in COUNTERS.items():
+            for family in SERVER_FAMILIES:
+                values = {key: _metric_sum(r.text, f"{family}:{name}") for key, name in names.items()}
+                if all(v is not None for v in values.values()):
+                    out[group] = values
+                    break
+        return out
 
     async def chat(self, scenario: str, messages: list[dict], max_tokens: int, seed: int = 0,
                    extra: dict | None = None) -> RequestRecord:
@@ -123,3 +133,16 @@ def _metric_sum(text: str, name: str) -> float | None:
     pattern = re.compile(rf"^{re.escape(name)}(?:\{{[^}}]*\}})? ([0-9.eE+-]+)$", re.M)
     values = [float(v) for v in pattern.findall(text)]
     return sum(values) if values else None
+
+
+def counter_deltas(before: dict[str, dict | None], after: dict[str, dict | None]) -> dict[str, dict | None]:
+    """Per counter group, after - before (None where either side has none); speculative decoding's
+    also carries its acceptance rate over the interval."""
+    out: dict[str, dict | None] = {}
+    for group in COUNTERS:
+        b, a = before.get(group), after.get(group)
+        out[group] = None if a is None or b is None else {key: a[key] - b[key] for key in a}
+    spec = out.get("spec_decode")
+    if spec is not None:
+        spec["acceptance_rate"] = spec["accepted_tokens"] / spec["draft_tokens"] if spec["draft_tokens"] else None
+    return out

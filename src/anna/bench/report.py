@@ -17,6 +17,9 @@ DEFINITIONS = {
     "ttfc_s": "time to the first non-empty content token, reasoning excluded",
     "prefix_cache_delta": "change of the server's prefix-cache query/hit counters (tokens) over the scenario, "
                           "read from /metrics; null when the server exposes none",
+    "spec_decode_delta": "change of the server's speculative-decoding counters over the scenario (drafts, draft "
+                         "tokens, accepted tokens) and the acceptance rate they give, read from /metrics; null "
+                         "when the server exposes none",
     "weighted_throughput": "Output TPS x 16.796 + Input TPS x 2.799 + Cache TPS x 0.56",
 }
 RANDOM_MODEL_NOTE = ("Some checks failed. With a random-weight model this is expected (its text is meaningless); "
@@ -41,7 +44,8 @@ def suite_result(label: str, info: dict, settings: dict, scenarios: list[dict]) 
         recs = sc["records"]
         out.append({
             "name": sc["name"], "wall_s": sc["wall_s"], "group_throughput_tok_s": sc["group_throughput_tok_s"],
-            "prefix_cache_delta": sc["prefix_cache_delta"], "concurrency": sc.get("concurrency", 1),
+            "prefix_cache_delta": sc["prefix_cache_delta"], "spec_decode_delta": sc.get("spec_decode_delta"),
+            "concurrency": sc.get("concurrency", 1),
             "long_context": sc.get("long_context"), "mean_ttft_s": _mean([r.ttft for r in recs]),
             "mean_decode_tok_s": _mean([r.decode_tok_s for r in recs]),
             "checks_passed": sum(r.check == "pass" for r in recs), "checks": len(recs),
@@ -86,6 +90,9 @@ def compare_markdown(results: list[dict]) -> str:
                 delta = sc["prefix_cache_delta"]
                 put(f"{sc['name']}: prefix cache hits/queries", i,
                     None if delta is None else f"{delta['hits']:.0f}/{delta['queries']:.0f}")
+                spec = sc.get("spec_decode_delta")
+                if spec is not None and spec["draft_tokens"]:
+                    put(f"{sc['name']}: speculative acceptance rate", i, spec["acceptance_rate"])
         else:
             for key, value in res["summary"].items():
                 if not isinstance(value, dict):

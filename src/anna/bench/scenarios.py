@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import Awaitable, Callable
 
-from anna.bench.client import BenchClient
+from anna.bench.client import BenchClient, counter_deltas
 from anna.bench.stats import RequestRecord, group_throughput, load_summary
 
 WARMUP = "What is 17 + 25? Answer with the number only."
@@ -71,14 +71,13 @@ async def run_standard_suite(client: BenchClient, max_tokens: int, seed: int,
     scenarios: list[dict] = []
 
     async def scenario(name: str, work: Awaitable, extra: dict | None = None) -> list[RequestRecord]:
-        before = await client.prefix_counters()
+        before = await client.counters()
         t0 = time.perf_counter()
         records = list(await work)
         wall = time.perf_counter() - t0
-        after = await client.prefix_counters()
-        delta = None if before is None or after is None else {
-            "queries": after["queries"] - before["queries"], "hits": after["hits"] - before["hits"]}
-        scenarios.append({"name": name, "records": records, "wall_s": wall, "prefix_cache_delta": delta,
+        delta = counter_deltas(before, await client.counters())
+        scenarios.append({"name": name, "records": records, "wall_s": wall, "prefix_cache_delta": delta["prefix"],
+                          "spec_decode_delta": delta["spec_decode"],
                           "group_throughput_tok_s": group_throughput(records), **(extra or {})})
         progress(name)
         return records
@@ -136,7 +135,7 @@ async def run_load(client: BenchClient, rows: list[dict], concurrency: int, num_
     next_index = 0
     total = num_requests if num_requests is not None else (None if duration else len(rows))
     t0 = time.perf_counter()
-    before = await client.prefix_counters()
+    before = await client.counters()
 
     async def worker() -> None:
         nonlocal next_index
@@ -154,9 +153,10 @@ async def run_load(client: BenchClient, rows: list[dict], concurrency: int, num_
 
     await asyncio.gather(*(worker() for _ in range(concurrency)))
     wall = time.perf_counter() - t0
-    after = await client.prefix_counters()
+    delta = counter_deltas(before, await client.counters())
     summary = load_summary(records, wall)
-    if before is not None and after is not None:
-        summary["prefix_cache_delta"] = {"queries": after["queries"] - before["queries"],
-                                         "hits": after["hits"] - before["hits"]}
+    if delta["prefix"] is not None:
+        summary["prefix_cache_delta"] = delta["prefix"]
+    if delta["spec_decode"] is not None:
+        summary["spec_decode_delta"] = delta["spec_decode"]
     return {"records": records, "summary": summary, "concurrency": concurrency}

@@ -49,15 +49,23 @@ class SpeculativeDecoder:
     def after_step(self, batch: Any, inputs: Any, hidden: torch.Tensor, sampled: dict[str, Any]) -> dict[str, list[int]]:
         spec = batch.spec_token_ids or [[]] * len(batch.requests)
         may = batch.may_propose or [False] * len(batch.requests)
-        wants = []
+        wants, lengths = [], {}
+        k = self.config.num_speculative_tokens
         for req, proposed, allowed in zip(batch.requests, spec, may):
             token = sampled.get(req.request_id)
             if proposed and token is not None:
                 self.backoff.observe(req.request_id, len(proposed), len(token.accepted))
-            wants.append(allowed and token is not None and token.value is not None
-                         and self.backoff.allows(req.request_id))
+            length = self.backoff.allowed(req.request_id, k) if allowed and token is not None \
+                and token.value is not None else 0
+            wants.append(length > 0)
+            if length < k:
+                lengths[req.request_id] = length
         step = ProposalStep(batch.requests, batch.num_new_tokens, spec, inputs, hidden, sampled, wants)
-        return self.proposer.propose(step)
+        drafts = self.proposer.propose(step)
+        for rid, length in lengths.items():
+            if rid in drafts:
+                drafts[rid] = drafts[rid][:length]
+        return drafts
 
     def forget(self, request_id: str) -> None:
         self.proposer.forget(request_id)
