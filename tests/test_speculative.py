@@ -246,6 +246,22 @@ def test_greedy_outputs_equal_plain_decoding(hf_models, cache_dir, family):
     assert_pool_free(engine)
 
 
+@pytest.mark.parametrize("path", [dict(decode_executor="eager"), dict(cpu_kernels=False)], ids=["eager", "torch"])
+@pytest.mark.parametrize("family", ["qwen2", "qwen3_5"])
+def test_every_execution_path_verifies_the_same(hf_models, cache_dir, family, path):
+    """The fused decode stack serves verification by default (the tests above); layer by layer
+    with Anna's kernels, and with torch's ops alone, rows that chain their states give the same."""
+    model_dir = hf_models[family][1]
+    requests = [(f"r{i}", p, greedy(24)) for i, p in enumerate(looping_prompts(3, seed=8))]
+    plain = drain(make_engine(model_dir, cache_dir, **path), requests)
+    reference = {rid: o.outputs[0].token_ids for rid, o in plain.items()}
+    engine = make_engine(model_dir, cache_dir, NGRAM, **path)
+    use_oracle(engine, reference, requests)
+    assert {rid: o.outputs[0].token_ids for rid, o in drain(engine, requests).items()} == reference
+    assert engine.stats.spec.num_accepted_tokens > 0
+    assert_pool_free(engine)
+
+
 @pytest.mark.parametrize("family", ["qwen2", "qwen3_5"])
 def test_chunked_prefill_preemption_and_prefix_hits(hf_models, cache_dir, family):
     """Long prompts in small chunks, a KV pool small enough to preempt, and requests that share

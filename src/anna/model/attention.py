@@ -11,7 +11,7 @@ are computed together in one batched gather, prefill chunks one sequence at a ti
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -38,9 +38,10 @@ class AttentionMetadata:
     prefills: list[PrefillChunk]
     block_size: int
     state_slots: torch.Tensor | None = None  # [num_seqs] long, model order: each sequence's state slot (StateSpec layers)
-    # StateSpec layers, speculative decoding: per prefill chunk (its index in ``prefills``) that
-    # verifies proposed tokens, the state slots to keep its state in after each token but the last
-    state_checkpoints: dict[int, list[int]] = field(default_factory=dict)
+    # StateSpec layers: [num_decodes] long, where each decode row's state comes from when that is not
+    # its own slot (speculative decoding verifies a sequence's proposals as rows that chain their
+    # states, each token's kept in a slot of its own); None: every row continues its own slot
+    state_src_slots: torch.Tensor | None = None
 
 
 def build_metadata(slot_mapping: torch.Tensor, starts: list[int], lens: list[int], tables: torch.Tensor,

@@ -53,6 +53,20 @@ def conv_step(x: torch.Tensor, conv_state: torch.Tensor, slots: torch.Tensor, we
     return F.silu((window * weight).sum(dim=1)).to(x.dtype)
 
 
+def in_row_order(step, states: list[torch.Tensor], slots: torch.Tensor, src_slots: torch.Tensor) -> torch.Tensor:
+    """Run a one-token-per-row ``step(rows, slots)`` row by row, each row's state first copied from
+    its source slot, so that a row sees what the row before it wrote (the torch version of the
+    kernels' src_slots)."""
+    outs = []
+    for r in range(slots.shape[0]):
+        dst, src = slots[r:r + 1], src_slots[r:r + 1]
+        if int(src) != int(dst):
+            for tensor in states:
+                tensor[dst] = tensor[src]
+        outs.append(step(slice(r, r + 1), dst))
+    return torch.cat(outs)
+
+
 def conv_prefill(x: torch.Tensor, conv_state: torch.Tensor, slot: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """A chunk of one sequence: x [L, C] after the inputs its conv state holds. Returns silu(conv)
     [L, C] and leaves the chunk's last K - 1 inputs in the state."""
@@ -169,36 +183,17 @@ class GatedDeltaNet(nn.Module):
         mixed, z = self.in_proj(x).split(self.split, dim=-1)
         ba = self.in_proj_ba(x)
         slots, nd = meta.state_slots, meta.num_decode_tokens
+        src = meta.state_src_slots
         out = x.new_empty(t, self.lin.value_dim)
         if nd:  # one token each: the platform's decode steps, on the states in place
             with ops.region("conv"):
-                conved = ops.conv_step(mixed[:nd], state["conv"], slots[:nd], self.conv_weight)
+                conved = ops.conv_step(mixed[:nd], state["conv"], slots[:nd], self.conv_weight, src)
             with ops.region("gated_delta"):
-                out[:nd] = ops.gated_delta_decode(self, conved, z[:nd], ba[:nd], state["recurrent"], slots[:nd])
+                out[:nd] = ops.gated_delta_decode(self, conved, z[:nd], ba[:nd], state["recurrent"], slots[:nd], src)
         for j, chunk in enumerate(meta.prefills):
             sl = slice(chunk.query_start, chunk.query_start + chunk.query_len)
-            checkpoints = meta.state_checkpoints.get(j)
-            if checkpoints is None:
-                out[sl] = self._prefill(mixed[sl], z[sl], ba[sl], state, slots[nd + j])
-            else:
-                out[sl] = self._verify(mixed[sl], z[sl], ba[sl], state, slots[nd + j:nd + j + 1], checkpoints)
+            out[sl] = self._prefill(mixed[sl], z[sl], ba[sl], state, slots[nd + j])
         return self.out_proj(out)
-
-    def _verify(self, mixed: torch.Tensor, z: torch.Tensor, ba: torch.Tensor, state: dict[str, torch.Tensor],
-                slot: torch.Tensor, checkpoints: list[int]) -> torch.Tensor:
-        """A sequence's last token and the tokens proposed after it, one decode step each, keeping
-        the state after every token but the last in ``checkpoints`` (speculative decoding rolls
-        back to the state after the last accepted token)."""
-        ops, rows = self.ops, []
-        for t in range(mixed.shape[0]):
-            with ops.region("conv"):
-                conved = ops.conv_step(mixed[t:t + 1], state["conv"], slot, self.conv_weight)
-            with ops.region("gated_delta"):
-                rows.append(ops.gated_delta_decode(self, conved, z[t:t + 1], ba[t:t + 1], state["recurrent"], slot))
-            if t < len(checkpoints):
-                for tensor in state.values():
-                    tensor[checkpoints[t]] = tensor[slot[0]]
-        return torch.cat(rows)
 
     def _prefill(self, mixed: torch.Tensor, z: torch.Tensor, ba: torch.Tensor, state: dict[str, torch.Tensor],
                  slot: torch.Tensor) -> torch.Tensor:

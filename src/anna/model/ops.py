@@ -120,20 +120,28 @@ class ModelOps:
         return torch_decode_attention(q, k_cache, v_cache, meta, scale, self.attention_dtype or q.dtype)
 
     # ---- linear attention (model/gated_delta.py) ----
-    def conv_step(self, x: torch.Tensor, conv_state: torch.Tensor, slots: torch.Tensor,
-                  weight: torch.Tensor) -> torch.Tensor:
-        """silu(causal conv) of one new token per sequence, updating the sequences' conv states."""
-        from anna.model.gated_delta import conv_step
+    def conv_step(self, x: torch.Tensor, conv_state: torch.Tensor, slots: torch.Tensor, weight: torch.Tensor,
+                  src_slots: torch.Tensor | None = None) -> torch.Tensor:
+        """silu(causal conv) of one new token per row, updating the rows' conv states. ``src_slots``:
+        row b starts from that slot's state instead of its own, rows taken in order, so that a row
+        may continue the one before it (speculative decoding's verification)."""
+        from anna.model.gated_delta import conv_step, in_row_order
 
-        return conv_step(x, conv_state, slots, weight)
+        if src_slots is None:
+            return conv_step(x, conv_state, slots, weight)
+        return in_row_order(lambda r, s: conv_step(x[r], conv_state, s, weight), [conv_state], slots, src_slots)
 
     def gated_delta_decode(self, layer: Any, conved: torch.Tensor, z: torch.Tensor, ba: torch.Tensor,
-                           state: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        """A Gated DeltaNet layer's decode after its conv, one token per sequence: the gates, one
-        step of the delta rule (updating the sequences' states), the gated norm."""
-        from anna.model.gated_delta import decode_after_conv
+                           state: torch.Tensor, slots: torch.Tensor, src_slots: torch.Tensor | None = None) -> torch.Tensor:
+        """A Gated DeltaNet layer's decode after its conv, one token per row: the gates, one step
+        of the delta rule (updating the rows' states), the gated norm. ``src_slots``: as for
+        conv_step."""
+        from anna.model.gated_delta import decode_after_conv, in_row_order
 
-        return decode_after_conv(layer, conved, z, ba, state, slots)
+        if src_slots is None:
+            return decode_after_conv(layer, conved, z, ba, state, slots)
+        return in_row_order(lambda r, s: decode_after_conv(layer, conved[r], z[r], ba[r], state, s), [state], slots,
+                            src_slots)
 
     def grouped_experts(self, moe: Any, rows: torch.Tensor, counts: list[int]) -> torch.Tensor | None:
         """Every chosen expert over its rows (grouped by expert, ``counts`` each) in one call per

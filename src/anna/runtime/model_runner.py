@@ -128,18 +128,21 @@ class ModelRunner:
     def prepare(self, requests: list[Request], num_new_tokens: list[int],
                 spec_token_ids: list[list[int]] | None = None) -> ModelInputs:
         """The step's input tensors and metadata. A request verifying proposed tokens feeds its last
-        token and the proposals; without recurrent layers, each of them is a decode row of its own
-        (row j attends to the rows before it through the KV they write first), so that a step of
-        verifications stays a decode step (the platform's decode executor runs it)."""
+        token and the proposals, each a decode row of its own: row j attends to the rows before it
+        through the KV they write first, and (recurrent layers) continues the state the row before
+        it left in a checkpoint slot; so a step of verifications stays a decode step, which the
+        platform's decode executor runs."""
         bs = self.kv.block_size
         spec = spec_token_ids or [[]] * len(requests)
-        as_rows = self.caches.state is None
-        decodes_first = [n == 1 or (as_rows and len(spec[i]) == n - 1) for i, n in enumerate(num_new_tokens)]
-        order = sorted(range(len(requests)), key=lambda i: not decodes_first[i])  # decodes first, stable
+        order = sorted(range(len(requests)), key=lambda i: num_new_tokens[i] - len(spec[i]) != 1)  # decodes first
+        state = self.caches.state
+        checkpoints = self._checkpoints(order, spec) if state is not None else {}
         ids: list[int] = []
         starts: list[int] = []
         lens: list[int] = []
         tables: list[list[int]] = []
+        state_dst: list[int] = []  # per row (decodes) or chunk: the state slot it leaves its state in
+        state_src: list[int] = []  # and the one it starts from
         last_rows: list[int] = []
         on_device: list[tuple[int, tuple[torch.Tensor, int]]] = []  # (flat index, pending token)
         for i in order:
@@ -152,14 +155,20 @@ class ModelRunner:
             ids.extend(req.all_token_ids[start:start + n - len(proposed)])
             ids.extend(proposed)
             table = self.kv.block_ids(req.request_id)
-            if proposed and as_rows:
+            slot = state.slot(req.request_id) if state is not None else -1
+            if proposed:
                 starts.extend(range(start, start + n))
                 lens.extend([1] * n)
                 tables.extend([table] * n)
+                chain = checkpoints.get(i, [])
+                state_src.extend([slot] + chain)
+                state_dst.extend(chain + [slot])
             else:
                 starts.append(start)
                 lens.append(n)
                 tables.append(table)
+                state_src.append(slot)
+                state_dst.append(slot)
             last_rows.append(len(ids) - 1)
         dev = self.device
         positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lens)])
@@ -169,16 +178,12 @@ class ModelRunner:
         slots = table_tensor[owner, positions // bs] * bs + positions % bs
         meta = build_metadata(slots, starts, lens, table_tensor, bs, self.model.config.sliding_window, dev)
         fresh = None
-        if self.caches.state is not None:
-            slots = [self.caches.state.slot(requests[i].request_id) for i in order]
-            meta.state_slots = torch.tensor(slots, dtype=torch.long, device=dev)
-            first = [slot for slot, start in zip(slots, starts) if start == 0]
+        if state is not None:
+            meta.state_slots = torch.tensor(state_dst, dtype=torch.long, device=dev)
+            if checkpoints:
+                meta.state_src_slots = torch.tensor(state_src[:meta.num_decode_tokens], dtype=torch.long, device=dev)
+            first = [slot for slot, start in zip(state_dst, starts) if start == 0]
             fresh = torch.tensor(first, dtype=torch.long, device=dev) if first else None
-            checkpoints = self._checkpoints(order, spec)
-            num_decodes = sum(1 for i in order if num_new_tokens[i] == 1)
-            meta.state_checkpoints = {order.index(i) - num_decodes: c for i, c in checkpoints.items()}
-        else:
-            checkpoints = {}
         input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
         if on_device:
             where = torch.tensor([flat for flat, _ in on_device], device=dev)
@@ -187,8 +192,8 @@ class ModelRunner:
 
     def _checkpoints(self, order: list[int], spec: list[list[int]]) -> dict[int, list[int]]:
         """For recurrent layers: per request (batch index) that verifies k proposals, the k state
-        slots that keep its states after each of its tokens but the last, so that the runner can
-        roll the state back to the last accepted token."""
+        slots that keep its states after each of its tokens but the last (its own slot gets the
+        state after the last), so that the runner can roll back to the last accepted token."""
         out: dict[int, list[int]] = {}
         base, k_max = self.caches.state.checkpoint_base, self.num_speculative_tokens
         for i in order:

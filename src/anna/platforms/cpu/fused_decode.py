@@ -132,7 +132,7 @@ class HybridFusedDecodeExecutor(FusedDecodeExecutor):
             slots=meta.slot_mapping.contiguous(), tables=meta.decode_block_tables.contiguous(),
             context_lens=meta.decode_context_lens.contiguous(), block_size=meta.block_size,
             scale=cfg.head_dim ** -0.5, cos_table=model.rotary.cos, sin_table=model.rotary.sin,
-            state_slots=meta.state_slots.contiguous(), key_heads=lin.num_key_heads, value_heads=lin.num_value_heads,
+            state_slots=meta.state_slots.contiguous(), state_src_slots=meta.state_src_slots, key_heads=lin.num_key_heads, value_heads=lin.num_value_heads,
             key_dim=lin.key_head_dim, value_dim=lin.value_head_dim, conv_kernel=lin.conv_kernel,
             final_norm=model.norm.weight)
 

@@ -82,9 +82,9 @@ class CpuKernels:
                                            f, p, p, p, p, i]
         lib.anna_argmax_rows.argtypes = [p, l, l, p, i]
         lib.anna_decode_hybrid_layers.argtypes = [ctypes.POINTER(AnnaHybridLayer), l, p, l, l, l, l, l, l, l, f, p, p,
-                                                  p, l, p, l, f, p, p, p, l, l, l, l, l, p, p, i]
-        lib.anna_conv_step.argtypes = [p, p, p, l, l, l, p, p, i]
-        lib.anna_gated_delta_decode.argtypes = [p, p, p, p, p, p, p, p, i, f, l, l, l, l, l, p, i]
+                                                  p, l, p, l, f, p, p, p, p, l, l, l, l, l, p, p, i]
+        lib.anna_conv_step.argtypes = [p, p, p, p, l, l, l, p, p, i]
+        lib.anna_gated_delta_decode.argtypes = [p, p, p, p, p, p, p, p, p, i, f, l, l, l, l, l, p, i]
         for fn in (lib.anna_conv_step, lib.anna_gated_delta_decode, lib.anna_decode_hybrid_layers, lib.anna_gemv, lib.anna_gemv_experts, lib.anna_deinterleave_rows, lib.anna_add_rmsnorm, lib.anna_rotary, lib.anna_silu_mul,
                    lib.anna_paged_decode_attention, lib.anna_qgemm, lib.anna_qgemm_experts, lib.anna_dequant,
                    lib.anna_decode_layers, lib.anna_argmax_rows):
@@ -204,16 +204,19 @@ class CpuKernels:
                              head_dim: int, rope_dim: int, intermediate: int, eps: float, positions: torch.Tensor,
                              slots: torch.Tensor, tables: torch.Tensor, context_lens: torch.Tensor, block_size: int,
                              scale: float, cos_table: torch.Tensor, sin_table: torch.Tensor,
-                             state_slots: torch.Tensor, key_heads: int, value_heads: int, key_dim: int,
-                             value_dim: int, conv_kernel: int, final_norm: torch.Tensor) -> torch.Tensor:
+                             state_slots: torch.Tensor, state_src_slots: torch.Tensor | None, key_heads: int,
+                             value_heads: int, key_dim: int, value_dim: int, conv_kernel: int,
+                             final_norm: torch.Tensor) -> torch.Tensor:
         """Every layer of a hybrid model (csrc/decode_hybrid.c) for a decode-only batch; returns the
-        final normed hidden states."""
+        final normed hidden states. ``state_src_slots``: where each row's state comes from (None:
+        its own slot; see conv_step)."""
         m, hidden = embeddings.shape
         out = torch.empty_like(embeddings)
         self.lib.anna_decode_hybrid_layers(
             layers, len(layers), embeddings.data_ptr(), m, hidden, heads, kv_heads, head_dim, rope_dim, intermediate,
             eps, positions.data_ptr(), slots.data_ptr(), tables.data_ptr(), tables.shape[1], context_lens.data_ptr(),
-            block_size, scale, cos_table.data_ptr(), sin_table.data_ptr(), state_slots.data_ptr(), key_heads,
+            block_size, scale, cos_table.data_ptr(), sin_table.data_ptr(), state_slots.data_ptr(),
+            _ptr(state_src_slots), key_heads,
             value_heads, key_dim, value_dim, conv_kernel, final_norm.data_ptr(), out.data_ptr(),
             torch.get_num_threads())
         return out
@@ -242,29 +245,31 @@ class CpuKernels:
         self.lib.anna_rotary(x.data_ptr(), x.stride(0), x.shape[0], heads, head_dim, cos_table.data_ptr(),
                              sin_table.data_ptr(), positions.data_ptr())
 
-    def conv_step(self, x: torch.Tensor, conv_state: torch.Tensor, slots: torch.Tensor,
-                  weight: torch.Tensor) -> torch.Tensor:
+    def conv_step(self, x: torch.Tensor, conv_state: torch.Tensor, slots: torch.Tensor, weight: torch.Tensor,
+                  src_slots: torch.Tensor | None = None) -> torch.Tensor:
         """silu(causal conv) of one token per row of x [B, C], updating the rows' conv states
-        (conv_state [slots, K - 1, C], weight [K, C], both fp32) in place."""
+        (conv_state [slots, K - 1, C], weight [K, C], both fp32) in place. ``src_slots``: row b
+        starts from that slot's state (None: its own), taken in row order, so rows may chain."""
         x2 = x.float().contiguous()
         out = torch.empty_like(x2)
         batch, channels = x2.shape
-        self.lib.anna_conv_step(x2.data_ptr(), conv_state.data_ptr(), slots.contiguous().data_ptr(), batch, channels,
+        self.lib.anna_conv_step(x2.data_ptr(), conv_state.data_ptr(), slots.contiguous().data_ptr(),
+                                _ptr(None if src_slots is None else src_slots.contiguous()), batch, channels,
                                 weight.shape[0], weight.data_ptr(), out.data_ptr(), torch.get_num_threads())
         return out
 
     def gated_delta_decode(self, conved: torch.Tensor, z: torch.Tensor, ba: torch.Tensor, state: torch.Tensor,
                            slots: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor, norm_weight: torch.Tensor,
-                           eps: float, key_heads: int) -> torch.Tensor:
+                           eps: float, key_heads: int, src_slots: torch.Tensor | None = None) -> torch.Tensor:
         """A Gated DeltaNet layer's decode after its conv (csrc/gated_delta.c): conved [B, q | k | v],
         z [B, heads * dv], ba [B, b | a] (fp32), state [slots, heads, dk, dv] updated in place;
-        returns the gated-norm output [B, heads * dv]."""
+        returns the gated-norm output [B, heads * dv]. ``src_slots``: as for conv_step."""
         conved, z, ba = (t.float().contiguous() for t in (conved, z, ba))
         _, heads, dk, dv = state.shape
         out = torch.empty(conved.shape[0], heads * dv, dtype=torch.float32)
         self.lib.anna_gated_delta_decode(
             conved.data_ptr(), z.data_ptr(), ba.data_ptr(), state.data_ptr(), slots.contiguous().data_ptr(),
-            a_log.data_ptr(), dt_bias.data_ptr(), norm_weight.data_ptr(), WEIGHT_TYPES[norm_weight.dtype], eps,
+            _ptr(None if src_slots is None else src_slots.contiguous()), a_log.data_ptr(), dt_bias.data_ptr(), norm_weight.data_ptr(), WEIGHT_TYPES[norm_weight.dtype], eps,
             conved.shape[0], key_heads, heads, dk, dv, out.data_ptr(), torch.get_num_threads())
         return out
 

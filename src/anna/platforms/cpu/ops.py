@@ -114,17 +114,17 @@ class CpuKernelOps(CpuTorchOps):
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         return self.kernels.argmax(logits)
 
-    def conv_step(self, x: torch.Tensor, conv_state: torch.Tensor, slots: torch.Tensor,
-                  weight: torch.Tensor) -> torch.Tensor:
+    def conv_step(self, x: torch.Tensor, conv_state: torch.Tensor, slots: torch.Tensor, weight: torch.Tensor,
+                  src_slots: torch.Tensor | None = None) -> torch.Tensor:
         if conv_state.dtype != torch.float32 or weight.dtype != torch.float32:
-            return super().conv_step(x, conv_state, slots, weight)
-        return self.kernels.conv_step(x, conv_state, slots, weight).to(x.dtype)
+            return super().conv_step(x, conv_state, slots, weight, src_slots)
+        return self.kernels.conv_step(x, conv_state, slots, weight, src_slots).to(x.dtype)
 
     def gated_delta_decode(self, layer: Any, conved: torch.Tensor, z: torch.Tensor, ba: torch.Tensor,
-                           state: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+                           state: torch.Tensor, slots: torch.Tensor, src_slots: torch.Tensor | None = None) -> torch.Tensor:
         return self.kernels.gated_delta_decode(conved, z, ba, state, slots, layer.A_log, layer.dt_bias,
-                                               layer.norm.weight, layer.norm.eps,
-                                               layer.lin.num_key_heads).to(conved.dtype)
+                                               layer.norm.weight, layer.norm.eps, layer.lin.num_key_heads,
+                                               src_slots).to(conved.dtype)
 
     def grouped_experts(self, moe: Any, rows: torch.Tensor, counts: list[int]) -> torch.Tensor | None:
         """Where Anna's kernels would serve every expert's matmuls (the packed quantized kernel, or

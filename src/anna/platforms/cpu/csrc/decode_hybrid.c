@@ -4,19 +4,20 @@
  * matmuls, the conv step, gated_delta.c's decode, out_proj) or gated attention (q|gate, k, v in
  * one matmul, per-head q/k norms, rotary on the first rope_dim of each head, the KV write, paged
  * attention, times sigmoid(gate), o), then the gated MLP. Norm weights are fp32 (zero-centred
- * norms are stored as 1 + w). The torch path computes the same thing op by op. */
+ * norms are stored as 1 + w). The torch path computes the same thing op by op. Rows may chain
+ * their recurrent states (state_src_slots, see gated_delta.c): speculative decoding's verification. */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "decode_common.h"
 
-void anna_conv_step(const float *x, float *state, const int64_t *slots, long batch, long channels, long kernel,
-                    const float *weight, float *out, int threads);
+void anna_conv_step(const float *x, float *state, const int64_t *slots, const int64_t *src_slots, long batch,
+                    long channels, long kernel, const float *weight, float *out, int threads);
 void anna_gated_delta_decode(const float *conved, const float *z, const float *ba, float *state,
-                             const int64_t *slots, const float *a_log, const float *dt_bias, const void *norm_weight,
-                             int norm_wtype, float eps, long batch, long key_heads, long heads, long dk, long dv,
-                             float *out, int threads);
+                             const int64_t *slots, const int64_t *src_slots, const float *a_log, const float *dt_bias,
+                             const void *norm_weight, int norm_wtype, float eps, long batch, long key_heads,
+                             long heads, long dk, long dv, float *out, int threads);
 
 typedef struct {
     int linear;  /* 1: Gated DeltaNet; 0: gated attention */
@@ -55,7 +56,7 @@ void anna_decode_hybrid_layers(const AnnaHybridLayer *layers, long num_layers, c
                                long intermediate, float eps, const long *positions, const long *slots,
                                const long *tables, long table_width, const long *ctx, long block_size, float scale,
                                const float *cos_table, const float *sin_table, const int64_t *state_slots,
-                               long key_heads, long value_heads, long dk, long dv, long conv_kernel,
+                               const int64_t *state_src_slots, long key_heads, long value_heads, long dk, long dv, long conv_kernel,
                                const float *final_norm, float *out, int threads) {
     long q_size = heads * head_dim, kv_size = kv_heads * head_dim, qkv_width = 2 * q_size + 2 * kv_size;
     long channels = 2 * key_heads * dk + value_heads * dv, value_dim = value_heads * dv;
@@ -83,9 +84,11 @@ void anna_decode_hybrid_layers(const AnnaHybridLayer *layers, long num_layers, c
                 memcpy(a + t * channels, mix + t * width, sizeof(float) * channels);
                 memcpy(b + t * value_dim, mix + t * width + channels, sizeof(float) * value_dim);
             }
-            anna_conv_step(a, L->conv_state, state_slots, M, channels, conv_kernel, L->conv_weight, mix, threads);
-            anna_gated_delta_decode(mix, b, ba, L->recurrent_state, state_slots, L->a_log, L->dt_bias, L->gated_norm,
-                                    L->gated_norm_wtype, eps, M, key_heads, value_heads, dk, dv, c, threads);
+            anna_conv_step(a, L->conv_state, state_slots, state_src_slots, M, channels, conv_kernel, L->conv_weight,
+                           mix, threads);
+            anna_gated_delta_decode(mix, b, ba, L->recurrent_state, state_slots, state_src_slots, L->a_log,
+                                    L->dt_bias, L->gated_norm, L->gated_norm_wtype, eps, M, key_heads, value_heads,
+                                    dk, dv, c, threads);
             linear(&L->out_proj, c, h, M, threads);
         } else {
             linear(&L->qkv, normed, mix, M, threads);

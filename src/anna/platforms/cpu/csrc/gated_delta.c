@@ -16,14 +16,23 @@
 
 static inline float silu(float x) { return x / (1.0f + expf(-x)); }
 
-void anna_conv_step(const float *x, float *state, const int64_t *slots, long batch, long channels, long kernel,
-                    const float *weight, float *out, int threads) {
+/* Rows are taken in order within each block of channels (the blocks run in parallel), so a row
+ * may continue the state the row before it wrote: row b reads the state in src_slots[b] (NULL:
+ * slots[b]) and leaves its result in slots[b]. Speculative decoding verifies a sequence's proposed
+ * tokens as such a chain, each token's state kept in a slot of its own. */
+void anna_conv_step(const float *x, float *state, const int64_t *slots, const int64_t *src_slots, long batch,
+                    long channels, long kernel, const float *weight, float *out, int threads) {
     long hist = kernel - 1;
-    #pragma omp parallel for num_threads(threads) collapse(2) schedule(static)
-    for (long b = 0; b < batch; b++) {
-        for (long c0 = 0; c0 < channels; c0 += 64) {
-            long c1 = c0 + 64 < channels ? c0 + 64 : channels;
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (long c0 = 0; c0 < channels; c0 += 64) {
+        long c1 = c0 + 64 < channels ? c0 + 64 : channels;
+        for (long b = 0; b < batch; b++) {
             float *s = state + slots[b] * hist * channels;
+            if (src_slots && src_slots[b] != slots[b]) {
+                const float *src = state + src_slots[b] * hist * channels;
+                for (long j = 0; j < hist; j++)
+                    memcpy(s + j * channels + c0, src + j * channels + c0, sizeof(float) * (c1 - c0));
+            }
             const float *xb = x + b * channels;
             float *ob = out + b * channels;
             for (long c = c0; c < c1; c++) {
@@ -67,16 +76,18 @@ static inline float softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); 
  * conved [B, 2 * key_heads * dk + heads * dv] (q | k | v), z [B, heads * dv], ba [B, 2 * heads]
  * (b | a), state [slots, heads, dk, dv], out [B, heads * dv]. */
 void anna_gated_delta_decode(const float *conved, const float *z, const float *ba, float *state,
-                             const int64_t *slots, const float *a_log, const float *dt_bias, const void *norm_weight,
-                             int norm_wtype, float eps, long batch, long key_heads, long heads, long dk, long dv,
-                             float *out, int threads) {
+                             const int64_t *slots, const int64_t *src_slots, const float *a_log, const float *dt_bias,
+                             const void *norm_weight, int norm_wtype, float eps, long batch, long key_heads,
+                             long heads, long dk, long dv, float *out, int threads) {
     long channels = 2 * key_heads * dk + heads * dv, repeat = heads / key_heads;
     float q_scale = 1.0f / sqrtf((float)dk);
-    #pragma omp parallel for num_threads(threads) collapse(2) schedule(static)
-    for (long b = 0; b < batch; b++) {
-        for (long h = 0; h < heads; h++) {
-            unsigned int csr = _mm_getcsr();
-            _mm_setcsr(csr | 0x8040);  /* flush denormals here: decayed states would crawl through them */
+    /* heads in parallel, rows in order within a head: a row may continue the row before it (see
+     * anna_conv_step) */
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (long h = 0; h < heads; h++) {
+        unsigned int csr = _mm_getcsr();
+        _mm_setcsr(csr | 0x8040);  /* flush denormals here: decayed states would crawl through them */
+        for (long b = 0; b < batch; b++) {
             const float *row = conved + b * channels;
             const float *kq = row + (h / repeat) * dk, *kk = row + key_heads * dk + (h / repeat) * dk;
             const float *vh = row + 2 * key_heads * dk + h * dv;
@@ -86,6 +97,8 @@ void anna_gated_delta_decode(const float *conved, const float *z, const float *b
             float bt = 1.0f / (1.0f + expf(-ba[b * 2 * heads + h]));
             float decay = expf(-expf(a_log[h]) * softplus(ba[b * 2 * heads + heads + h] + dt_bias[h]));
             float *s = state + (slots[b] * heads + h) * dk * dv;
+            if (src_slots && src_slots[b] != slots[b])
+                memcpy(s, state + (src_slots[b] * heads + h) * dk * dv, sizeof(float) * dk * dv);
             float *restrict oh = out + b * heads * dv + h * dv;
             for (long j = 0; j < dv; j++) err[j] = 0.0f;
             for (long i = 0; i < dk; i++) {  /* err = (S^T k), still undecayed */
@@ -112,7 +125,7 @@ void anna_gated_delta_decode(const float *conved, const float *z, const float *b
             const float *zh = z + b * heads * dv + h * dv;
             for (long j = 0; j < dv; j++)
                 oh[j] = oh[j] * inv * load_weight(norm_weight, norm_wtype, j) * silu(zh[j]);
-            _mm_setcsr(csr);  /* (the caller's thread keeps its own floating-point mode) */
         }
+        _mm_setcsr(csr);  /* (the caller's thread keeps its own floating-point mode) */
     }
 }
