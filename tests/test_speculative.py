@@ -234,7 +234,8 @@ def test_greedy_outputs_equal_plain_decoding(hf_models, cache_dir, family):
     batched with an opted-out one; every KV block and state slot comes back."""
     path = hf_models[family][1]
     requests = [(f"r{i}", p, greedy(speculative=i != 1)) for i, p in enumerate(looping_prompts())]
-    plain = drain(make_engine(path, cache_dir), requests)
+    plain_engine = make_engine(path, cache_dir)
+    plain = drain(plain_engine, requests)
     reference = {rid: o.outputs[0].token_ids for rid, o in plain.items()}
     engine = make_engine(path, cache_dir, NGRAM)
     assert {rid: o.outputs[0].token_ids for rid, o in drain(engine, requests).items()} == reference
@@ -244,6 +245,8 @@ def test_greedy_outputs_equal_plain_decoding(hf_models, cache_dir, family):
     assert {rid: o.outputs[0].token_ids for rid, o in drain(engine, requests).items()} == reference
     assert_rollbacks_of_every_length(engine)
     assert_pool_free(engine)
+    # prefix-cache blocks are hashed over accepted tokens only: the same blocks as plain decoding cached
+    assert set(engine.kv.pool.cached) == set(plain_engine.kv.pool.cached)
 
 
 @pytest.mark.parametrize("path", [dict(decode_executor="eager"), dict(cpu_kernels=False)], ids=["eager", "torch"])
@@ -262,22 +265,28 @@ def test_every_execution_path_verifies_the_same(hf_models, cache_dir, family, pa
     assert_pool_free(engine)
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen3_5"])
-def test_chunked_prefill_preemption_and_prefix_hits(hf_models, cache_dir, family):
-    """Long prompts in small chunks, a KV pool small enough to preempt, and requests that share
-    a prefix: the same tokens as plain decoding under the same pressure, and no leak."""
-    path = hf_models[family][1]
+# Long prompts in small chunks, a KV pool small enough to preempt, requests that share a prefix
+PRESSURE = dict(num_gpu_blocks_override=24, block_size=8, max_num_batched_tokens=32, long_prefill_token_threshold=16,
+                max_model_len=192)
+
+
+def pressure_workload() -> list[tuple]:
     rng = random.Random(3)
     shared = (looping_prompts(1, seed=5)[0] * 4)[:64]
     prompts = [shared + [rng.randrange(3, 700) for _ in range(rng.randrange(1, 20))] for _ in range(3)]
     prompts += looping_prompts(3, seed=6)
-    requests = [(f"r{i}", p, greedy(64)) for i, p in enumerate(prompts)]
-    kw = dict(num_gpu_blocks_override=24, block_size=8, max_num_batched_tokens=32, long_prefill_token_threshold=16,
-              max_model_len=192)
-    plain = drain(make_engine(path, cache_dir, **kw), requests)
+    return [(f"r{i}", p, greedy(64)) for i, p in enumerate(prompts)]
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3_5"])
+def test_chunked_prefill_preemption_and_prefix_hits(hf_models, cache_dir, family):
+    """PRESSURE: the same tokens as plain decoding under the same pressure, and no leak."""
+    path = hf_models[family][1]
+    requests = pressure_workload()
+    plain = drain(make_engine(path, cache_dir, **PRESSURE), requests)
     reference = {rid: o.outputs[0].token_ids for rid, o in plain.items()}
     for oracle in (False, True):
-        engine = make_engine(path, cache_dir, NGRAM, **kw)
+        engine = make_engine(path, cache_dir, NGRAM, **PRESSURE)
         if oracle:
             use_oracle(engine, reference, requests)
         got = drain(engine, requests)
@@ -355,17 +364,17 @@ def test_draft_model_outputs_equal_plain_decoding(hf_models, cache_dir, target, 
     """The draft keeps its own KV in the target's blocks; a draft that is the target itself is
     accepted every time (its KV and positions are right), any other keeps outputs unchanged."""
     path = hf_models[target][1]
-    requests = [(f"r{i}", p, greedy(speculative=i != 1)) for i, p in enumerate(looping_prompts())]
-    plain = drain(make_engine(path, cache_dir), requests)
+    requests = pressure_workload()
+    plain = drain(make_engine(path, cache_dir, **PRESSURE), requests)
     spec = {"method": "draft_model", "model": str(hf_models[draft][1]), "num_speculative_tokens": 3}
-    engine = make_engine(path, cache_dir, spec, num_gpu_blocks_override=40, block_size=8, max_model_len=192,
-                         max_num_batched_tokens=24, long_prefill_token_threshold=12)
+    engine = make_engine(path, cache_dir, spec, **PRESSURE)
     got = drain(engine, requests)
     for rid, _, _ in requests:
         assert got[rid].outputs[0].token_ids == plain[rid].outputs[0].token_ids, rid
     stats = engine.stats.spec
     assert stats.num_drafts > 10
-    if target == draft:
+    assert engine.scheduler.num_preemptions > 0 and engine.kv.prefix_cache_hits > 0
+    if target == draft:  # its KV and positions are right after chunks, preemption and prefix hits
         assert stats.num_accepted_tokens == stats.num_draft_tokens
     assert_pool_free(engine)
 
@@ -466,14 +475,14 @@ def test_mtp_proposals_match_a_transformers_reference(qwen3_5_with_mtp, cache_di
 
 def test_mtp_outputs_equal_plain_decoding(qwen3_5_with_mtp, cache_dir):
     _, path = qwen3_5_with_mtp
-    requests = [(f"r{i}", p, greedy(speculative=i != 1)) for i, p in enumerate(looping_prompts())]
-    plain = drain(make_engine(path, cache_dir), requests)
-    engine = make_engine(path, cache_dir, {"method": "mtp", "num_speculative_tokens": 2}, num_gpu_blocks_override=40,
-                         block_size=8, max_model_len=192, max_num_batched_tokens=24, long_prefill_token_threshold=12)
+    requests = pressure_workload()
+    plain = drain(make_engine(path, cache_dir, **PRESSURE), requests)
+    engine = make_engine(path, cache_dir, {"method": "mtp", "num_speculative_tokens": 2}, **PRESSURE)
     got = drain(engine, requests)
     for rid, _, _ in requests:
         assert got[rid].outputs[0].token_ids == plain[rid].outputs[0].token_ids, rid
     assert engine.stats.spec.num_drafts > 10
+    assert engine.scheduler.num_preemptions > 0 and engine.kv.prefix_cache_hits > 0
     assert_pool_free(engine)
 
 
