@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The checks to run on a machine with an NVIDIA GPU (torch with CUDA and Anna installed):
-# the CUDA-marked tests, then decode speed by executor and eager against torch.compile.
+# the CUDA-marked tests, then decode speed by executor and eager against torch.compile, and the
+# cost of speculative decoding's verification steps.
 #     bash benchmarks/gpu_check.sh [results-dir]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -18,3 +19,6 @@ python benchmarks/compile_bench.py --model "$model" --out "$out/compile.json"
 hybrid=benchmarks/models/qwen3.5-0.8b
 [ -f "$hybrid/config.json" ] || python benchmarks/make_random_model.py --shape qwen3.5-0.8b --out "$hybrid"
 python benchmarks/decode_bench.py --model "$hybrid" --device cuda --out "$out/decode_qwen3_5.json"
+for m in "$model" "$hybrid"; do
+  python benchmarks/spec_decode_bench.py verify --model "$m" --device cuda --out "$out/spec_verify_$(basename "$m").json"
+done

@@ -4,6 +4,7 @@
     python benchmarks/spec_decode_bench.py verify --model benchmarks/models/qwen2.5-0.5b
     python benchmarks/spec_decode_bench.py ngram --model benchmarks/models/qwen2.5-0.5b
     python benchmarks/spec_decode_bench.py replay --model benchmarks/models/qwen2.5-0.5b
+    python benchmarks/spec_decode_bench.py llama-server --model benchmarks/models/qwen2.5-0.5b  (see below)
 
 verify: the time of one target step that verifies K proposed tokens (1 + K tokens of one
 sequence) against a plain decode step, K = 1..8, after a --context-token prompt (median of
@@ -19,6 +20,13 @@ runs then propose its continuation, with each proposed token replaced by a wrong
 probability 1 - --acceptance (per position, so acceptance 0.7 keeps a 4-token proposal whole
 24% of the time). Outputs stay the plain run's (checked); tokens/s against the plain run. The
 acceptance back-off is on (the engine's default threshold) unless --min-acceptance-rate 0.
+
+llama-server: the ngram workload sent to a running llama-server (its /completion timings and
+draft counts), the same prompt and length; start it with and without its own n-gram speculation:
+
+    llama-server -m qwen2.5-0.5b-f16.gguf -t 2 -c 4096 --port 8081 \
+        --spec-type ngram-simple --spec-ngram-simple-size-n 4 --spec-ngram-simple-size-m 4
+    python benchmarks/spec_decode_bench.py llama-server --model benchmarks/models/qwen2.5-0.5b
 """
 
 from __future__ import annotations
@@ -49,7 +57,7 @@ def cpu_name() -> str:
 
 
 def engine_for(args, spec: dict | None = None, **extra) -> LLMEngine:
-    settings = ServeSettings(model=args.model, dtype=args.dtype, quantization=args.quantization,
+    settings = ServeSettings(model=args.model, dtype=args.dtype, quantization=args.quantization, device=args.device,
                              max_model_len=args.max_model_len, max_num_seqs=4, log_level="warning",
                              speculative_config=json.dumps(spec) if spec else "", **extra)
     return LLMEngine(settings.resolve(), show_progress=False)
@@ -102,9 +110,8 @@ def decode_speed(engine: LLMEngine, prompt: list[int], n: int) -> tuple[float, l
     return (len(out) - 1) / (last - first), out
 
 
-def passage_prompt(engine: LLMEngine, tokens: int) -> list[int]:
+def passage_prompt(vocab: int, tokens: int) -> list[int]:
     rng = random.Random(1)
-    vocab = engine.model_config.vocab_size
     passage = [rng.randrange(100, vocab) for _ in range(tokens)]
     return passage + passage
 
@@ -113,7 +120,7 @@ def ngram(args) -> dict:
     plain = engine_for(args)
     spec_cfg = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
     spec = engine_for(args, spec_cfg)
-    prompt = passage_prompt(plain, args.passage_tokens)
+    prompt = passage_prompt(plain.model_config.vocab_size, args.passage_tokens)
     decode_speed(plain, prompt[:64], 8), decode_speed(spec, prompt[:64], 8)  # warm up
     spec.reset_stats()
     rounds = []
@@ -154,7 +161,7 @@ class ReplayProposer:
 def replay(args) -> dict:
     plain = engine_for(args)
     spec = engine_for(args, {"method": "ngram", "num_speculative_tokens": args.k, "min_acceptance_rate": 0})
-    prompt = passage_prompt(plain, args.passage_tokens)
+    prompt = passage_prompt(plain.model_config.vocab_size, args.passage_tokens)
     decode_speed(plain, prompt[:64], 8), decode_speed(spec, prompt[:64], 8)  # warm up
     results = {}
     for rate in args.acceptance:
@@ -176,11 +183,32 @@ def replay(args) -> dict:
     return results
 
 
+def llama_server(args) -> dict:
+    """The ngram workload against a running llama-server (--base-url): its own timings and draft
+    counts, per request (run it once with and once without --spec-type)."""
+    import httpx
+
+    vocab = json.load(open(f"{args.model}/config.json"))["vocab_size"]
+    prompt = passage_prompt(vocab, args.passage_tokens)
+    body = {"prompt": prompt, "n_predict": args.new_tokens, "temperature": 0, "ignore_eos": True, "cache_prompt": False}
+    httpx.post(f"{args.base_url}/completion", json={**body, "prompt": prompt[:64], "n_predict": 8}, timeout=600)
+    rounds = []
+    for _ in range(args.repeats):
+        t = httpx.post(f"{args.base_url}/completion", json=body, timeout=600).json()["timings"]
+        rounds.append(t)
+    drafted = sum(t.get("draft_n", 0) for t in rounds)
+    return {"tok_s": [round(t["predicted_per_second"], 2) for t in rounds],
+            "acceptance_rate": round(sum(t.get("draft_n_accepted", 0) for t in rounds) / drafted, 3) if drafted else None}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("mode", choices=("verify", "ngram", "replay"))
+    ap.add_argument("mode", choices=("verify", "ngram", "replay", "llama-server"))
+    ap.add_argument("--base-url", default="http://127.0.0.1:8081", help="llama-server: where it listens")
     ap.add_argument("--model", required=True)
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--out", help="also write the result (JSON) here")
     ap.add_argument("--quantization", default="none", choices=("none", "int8", "int4"))
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--context-tokens", type=int, default=512, help="verify: the prompt before the timed steps")
@@ -196,8 +224,12 @@ def main() -> None:
 
     result = {"mode": args.mode, "model": args.model, "dtype": args.dtype, "quantization": args.quantization,
               "cpu": cpu_name(), "threads": torch.get_num_threads(),
-              **{"verify": verify_cost, "ngram": ngram, "replay": replay}[args.mode](args)}
+              "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+              **{"verify": verify_cost, "ngram": ngram, "replay": replay, "llama-server": llama_server}[args.mode](args)}
     print(json.dumps(result, indent=1))
+    if args.out:
+        with open(args.out, "w") as fh:
+            json.dump(result, fh, indent=1)
 
 
 if __name__ == "__main__":

@@ -92,3 +92,21 @@ def test_cuda_graph_decode_matches_eager(hf_models, cache_dir):
     assert results["graph"] == results["eager"]
     ref = results["eager_logits"]
     assert (results["graph_logits"] - ref).abs().max().item() <= 1e-3 * ref.abs().max().item()
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3_5"])
+@pytest.mark.parametrize("executor", ["eager", "graph"])
+def test_cuda_speculative_outputs_equal_plain_decoding(arch, executor, hf_models, cache_dir):
+    """Prompt lookup and proposals wrong at every position, on the GPU (graphs where they run)."""
+    from test_speculative import NGRAM, drain, greedy, looping_prompts, make_engine, use_oracle
+
+    path = hf_models[arch][1]
+    requests = [(f"r{i}", p, greedy(32)) for i, p in enumerate(looping_prompts())]
+    kw = dict(device="cuda", decode_executor=executor)
+    reference = {rid: o.outputs[0].token_ids for rid, o in drain(make_engine(path, cache_dir, **kw), requests).items()}
+    for oracle in (False, True):
+        engine = make_engine(path, cache_dir, NGRAM, **kw)
+        if oracle:
+            use_oracle(engine, reference, requests)
+        assert {rid: o.outputs[0].token_ids for rid, o in drain(engine, requests).items()} == reference
+    assert engine.stats.spec.num_accepted_tokens > 0

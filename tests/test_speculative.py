@@ -47,7 +47,8 @@ def assert_pool_free(engine: LLMEngine) -> None:
     assert engine.kv.num_free_blocks == engine.kv.num_blocks
     assert all(b.ref_cnt == 0 for b in engine.kv.pool.blocks)
     state = engine.scheduler.caches.state
-    assert state is None or state.num_free == state.num_slots
+    assert state is None or (state.num_free == state.num_slots
+                             and len(state.free_checkpoints) == state.num_checkpoints)
 
 
 def looping_prompts(n: int = 4, seed: int = 0) -> list[list[int]]:

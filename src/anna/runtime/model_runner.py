@@ -20,7 +20,7 @@ from anna.core.request import Request
 from anna.model.attention import AttentionMetadata, build_metadata, kv_cache_shape, read_slots, write_slots
 from anna.model.cache_spec import AttentionSpec, CacheSpec, StateSpec
 from anna.platforms import Platform
-from anna.runtime.cache_managers import CacheManagers, StateCopy
+from anna.runtime.cache_managers import CacheManagers
 from anna.runtime.compilation import CompiledForward
 from anna.runtime.sampler import SampleResult, Sampler, token_logprobs
 from anna.runtime.scheduler import ScheduledBatch
@@ -191,16 +191,23 @@ class ModelRunner:
         return ModelInputs(input_ids, positions.to(dev), meta, order, last_rows, fresh, checkpoints)
 
     def _checkpoints(self, order: list[int], spec: list[list[int]]) -> dict[int, list[int]]:
-        """For recurrent layers: per request (batch index) that verifies k proposals, the k state
+        """For recurrent layers: per request (batch index) that verifies k proposals, k checkpoint
         slots that keep its states after each of its tokens but the last (its own slot gets the
-        state after the last), so that the runner can roll back to the last accepted token."""
-        out: dict[int, list[int]] = {}
-        base, k_max = self.caches.state.checkpoint_base, self.num_speculative_tokens
-        for i in order:
-            if spec[i]:
-                first = base + len(out) * k_max
-                out[i] = list(range(first, first + len(spec[i])))
-        return out
+        state after the last), so that the runner can roll back to the last accepted token. They
+        go back (``_settle_checkpoints``) when the step ends, whatever happens in it."""
+        state = self.caches.state
+        return {i: state.take_checkpoints(len(spec[i])) for i in order if spec[i]}
+
+    def _settle_checkpoints(self, inputs: ModelInputs, requests: list[Request], accepted: dict[int, int]) -> None:
+        """After the step: a request whose proposal was rejected after ``accepted[i]`` tokens takes
+        that token's checkpoint as its state slot (no copy); every other checkpoint is freed."""
+        state = self.caches.state
+        for i, chain in inputs.state_checkpoints.items():
+            a = accepted.get(i)
+            if a is not None and a < len(chain):
+                chain = chain[:a] + chain[a + 1:] + [state.move(requests[i].request_id, chain[a])]
+            state.return_checkpoints(chain)
+        inputs.state_checkpoints.clear()
 
     @torch.inference_mode()
     def forward(self, inputs: ModelInputs) -> torch.Tensor:
@@ -245,10 +252,15 @@ class ModelRunner:
             self.write_prompt_kv(req, entry.kv)
         self.copy_states(batch.state_restores)
         inputs = self.prepare(batch.requests, batch.num_new_tokens, batch.spec_token_ids)
-        hidden = self.forward(inputs)
-        self.copy_states([save for _, save in batch.state_saves])
         failed: dict[str, RequestError] = {}
-        sampled = self._sample(batch, inputs, hidden, failed)
+        accepted: dict[int, int] = {}  # batch index -> proposals accepted, for the recurrent states
+        try:
+            hidden = self.forward(inputs)
+            self.copy_states([save for _, save in batch.state_saves])
+            sampled = self._sample(batch, inputs, hidden, failed, accepted)
+        finally:
+            if inputs.state_checkpoints:
+                self._settle_checkpoints(inputs, batch.requests, accepted)
         drafts = self.speculative.after_step(batch, inputs, hidden, sampled) if self.speculative else {}
         return StepResult(sampled, self._prompt_logprobs(batch, inputs, hidden, failed), failed, drafts)
 
@@ -306,7 +318,7 @@ class ModelRunner:
         return out
 
     def _sample(self, batch: ScheduledBatch, inputs: ModelInputs, hidden: torch.Tensor,
-                failed: dict[str, RequestError]) -> dict[str, SampledToken]:
+                failed: dict[str, RequestError], accepted: dict[int, int]) -> dict[str, SampledToken]:
         spec = batch.spec_token_ids or [[]] * len(batch.requests)
         sampling = [(pos, i) for pos, i in enumerate(inputs.order)
                     if batch.requests[i].num_computed_tokens + batch.num_new_tokens[i] - len(spec[i])
@@ -320,7 +332,7 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[torch.tensor([r for rs in rows for r in rs], device=self.device)])
         with nullcontext() if self.profiler is None else self.profiler.region("sampling"):
             if any(proposals):
-                return self._verify(logits, rows, reqs, proposals, [i for _, i in sampling], inputs, failed)
+                return self._verify(logits, rows, reqs, proposals, [i for _, i in sampling], failed, accepted)
             result: SampleResult = self.sampler(logits, reqs)
         for i, error in result.failed.items():
             failed[reqs[i].request_id] = error
@@ -330,16 +342,16 @@ class ModelRunner:
                 for i, r in enumerate(reqs) if i not in result.failed}
 
     def _verify(self, logits: torch.Tensor, rows: list[list[int]], reqs: list[Request], proposals: list[list[int]],
-                batch_index: list[int], inputs: ModelInputs, failed: dict[str, RequestError]) -> dict[str, SampledToken]:
-        """A step with proposals to verify (speculative/verify.py); recurrent states go back to
-        the last accepted token."""
+                batch_index: list[int], failed: dict[str, RequestError],
+                accepted: dict[int, int]) -> dict[str, SampledToken]:
+        """A step with proposals to verify (speculative/verify.py); ``accepted``: how many of each
+        request's proposals were kept (by batch index)."""
         first = 0
         flat_rows = []
         for r in rows:
             flat_rows.append(list(range(first, first + len(r))))
             first += len(r)
         found = verify(self.sampler, logits, flat_rows, reqs, proposals, self.max_model_len)
-        rollbacks = []
         out = {}
         for k, req in enumerate(reqs):
             if k in found.failed:
@@ -347,9 +359,5 @@ class ModelRunner:
                 continue
             tokens, lps = found.tokens[k], found.logprobs[k]
             out[req.request_id] = SampledToken(tokens[-1], lps[-1], None, tokens[:-1], lps[:-1])
-            checkpoints = inputs.state_checkpoints.get(batch_index[k])
-            accepted = len(tokens) - 1
-            if checkpoints is not None and accepted < len(checkpoints):
-                rollbacks.append(StateCopy(checkpoints[accepted], self.caches.state.slot(req.request_id)))
-        self.copy_states(rollbacks)
+            accepted[batch_index[k]] = len(tokens) - 1
         return out

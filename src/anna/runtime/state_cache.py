@@ -6,7 +6,10 @@ slots when the scheduler's plan says so.
 
 A running sequence holds one slot from its first admission until it finishes or is preempted (a
 preempted sequence recomputes its state from the start, as its KV). Allocation failure is a
-return value, as for KV blocks.
+return value, as for KV blocks. Speculative decoding's checkpoint slots (after the snapshots')
+hold the state after each verified token for one step; when a proposal is rejected, the sequence
+takes the checkpoint of its last accepted token as its slot and gives its old slot to the
+checkpoints, so the numbers of a sequence's slot and of the free ones change, never their count.
 
 Snapshots: a recurrent state cannot be rebuilt from KV blocks, so a prefix found in the KV cache
 is only of use with the state the sequence had at its end. The scheduler saves a sequence's state
@@ -75,10 +78,25 @@ class StateCacheManager:
         self.slots: dict[str, int] = {}
         self.snapshots = StateSnapshots(num_slots, num_snapshots)
         self.num_checkpoints = num_checkpoints
+        first = num_slots + num_snapshots
+        self.free_checkpoints = list(range(first + num_checkpoints - 1, first - 1, -1))
 
-    @property
-    def checkpoint_base(self) -> int:
-        return self.num_slots + self.snapshots.count
+    # ---- speculative decoding's checkpoints: slots a verification step writes a state into ----
+    def take_checkpoints(self, n: int) -> list[int]:
+        """n free slots for one step (there are always enough: the plan reserves K per sequence
+        that may speculate in a step)."""
+        taken = self.free_checkpoints[-n:][::-1]
+        del self.free_checkpoints[len(self.free_checkpoints) - n:]
+        return taken
+
+    def return_checkpoints(self, slots: list[int]) -> None:
+        self.free_checkpoints.extend(slots)
+
+    def move(self, request_id: str, slot: int) -> int:
+        """The request's state now lives in ``slot`` (a checkpoint that holds the state to keep);
+        returns its old slot, which becomes a checkpoint slot in exchange: no state is copied."""
+        old, self.slots[request_id] = self.slots[request_id], slot
+        return old
 
     @property
     def total_slots(self) -> int:

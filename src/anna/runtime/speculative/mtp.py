@@ -4,6 +4,11 @@ Its entry at position p reads the target's hidden state at p and token p + 1; a 
 runs the positions the step computed, the last of which reads the step's new token (or, after a
 prefill chunk, the next prompt token), and its prediction is the first proposal. Each further
 proposal runs the head on its own previous output and the token it proposed.
+
+A block shared through the prefix cache carries the head's KV as its first owner computed it;
+its last entry read the token after the block, which a request that shares the block may not
+have. Its proposals then read one slightly different entry: they may be accepted less often,
+never wrongly (verification decides).
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ static inline float silu(float x) { return x / (1.0f + expf(-x)); }
 
 /* Rows are taken in order within each block of channels (the blocks run in parallel), so a row
  * may continue the state the row before it wrote: row b reads the state in src_slots[b] (NULL:
- * slots[b]) and leaves its result in slots[b]. Speculative decoding verifies a sequence's proposed
+ * slots[b]) and writes its result to slots[b], without a copy in between. Speculative decoding verifies a sequence's proposed
  * tokens as such a chain, each token's state kept in a slot of its own. */
 void anna_conv_step(const float *x, float *state, const int64_t *slots, const int64_t *src_slots, long batch,
                     long channels, long kernel, const float *weight, float *out, int threads) {
@@ -28,21 +28,17 @@ void anna_conv_step(const float *x, float *state, const int64_t *slots, const in
         long c1 = c0 + 64 < channels ? c0 + 64 : channels;
         for (long b = 0; b < batch; b++) {
             float *s = state + slots[b] * hist * channels;
-            if (src_slots && src_slots[b] != slots[b]) {
-                const float *src = state + src_slots[b] * hist * channels;
-                for (long j = 0; j < hist; j++)
-                    memcpy(s + j * channels + c0, src + j * channels + c0, sizeof(float) * (c1 - c0));
-            }
+            const float *in = src_slots ? state + src_slots[b] * hist * channels : s;
             const float *xb = x + b * channels;
             float *ob = out + b * channels;
             for (long c = c0; c < c1; c++) {
                 float acc = xb[c] * weight[hist * channels + c];
                 for (long j = 0; j < hist; j++)
-                    acc += s[j * channels + c] * weight[j * channels + c];
+                    acc += in[j * channels + c] * weight[j * channels + c];
                 ob[c] = silu(acc);
             }
-            for (long j = 0; j + 1 < hist; j++)  /* shift the window by one step */
-                memcpy(s + j * channels + c0, s + (j + 1) * channels + c0, sizeof(float) * (c1 - c0));
+            for (long j = 0; j + 1 < hist; j++)  /* the window one step on (memmove: in may be s) */
+                memmove(s + j * channels + c0, in + (j + 1) * channels + c0, sizeof(float) * (c1 - c0));
             if (hist > 0)
                 memcpy(s + (hist - 1) * channels + c0, xb + c0, sizeof(float) * (c1 - c0));
         }
@@ -96,14 +92,13 @@ void anna_gated_delta_decode(const float *conved, const float *z, const float *b
             for (long i = 0; i < dk; i++) { qh[i] = kq[i] * qn; kh[i] = kk[i] * kn; }
             float bt = 1.0f / (1.0f + expf(-ba[b * 2 * heads + h]));
             float decay = expf(-expf(a_log[h]) * softplus(ba[b * 2 * heads + heads + h] + dt_bias[h]));
-            float *s = state + (slots[b] * heads + h) * dk * dv;
-            if (src_slots && src_slots[b] != slots[b])
-                memcpy(s, state + (src_slots[b] * heads + h) * dk * dv, sizeof(float) * dk * dv);
+            float *s = state + (slots[b] * heads + h) * dk * dv;  /* written; read from `in` (may be s) */
+            const float *in = src_slots ? state + (src_slots[b] * heads + h) * dk * dv : s;
             float *restrict oh = out + b * heads * dv + h * dv;
             for (long j = 0; j < dv; j++) err[j] = 0.0f;
             for (long i = 0; i < dk; i++) {  /* err = (S^T k), still undecayed */
                 float ki = kh[i];
-                const float *srow = s + i * dv;
+                const float *srow = in + i * dv;
                 for (long j = 0; j < dv; j++) err[j] += srow[j] * ki;
             }
             for (long j = 0; j < dv; j++) {
@@ -112,10 +107,11 @@ void anna_gated_delta_decode(const float *conved, const float *z, const float *b
             }
             for (long i = 0; i < dk; i++) {
                 float ki = kh[i], qi = qh[i];
-                float *restrict srow = s + i * dv;
+                const float *srow = in + i * dv;
+                float *orow = s + i * dv;
                 for (long j = 0; j < dv; j++) {
                     float updated = decay * srow[j] + ki * err[j];
-                    srow[j] = updated;
+                    orow[j] = updated;
                     oh[j] += updated * qi;
                 }
             }
