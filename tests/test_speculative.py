@@ -359,8 +359,8 @@ def test_sampled_outputs_with_seeds_and_processing_match(qwen2_dir, cache_dir):
 
 
 # ---- a draft model ----
-@pytest.mark.parametrize("target,draft", [("qwen2", "qwen2"), ("qwen2", "llama3"), ("qwen3_5", "qwen3"),
-                                          ("qwen3_moe", "mistral_swa")])
+@pytest.mark.parametrize("target,draft", [("qwen2", "qwen2")] + [
+    (family, "llama3" if family != "llama3" else "qwen2") for family in FAMILIES if family != "qwen2"])
 def test_draft_model_outputs_equal_plain_decoding(hf_models, cache_dir, target, draft):
     """The draft keeps its own KV in the target's blocks; a draft that is the target itself is
     accepted every time (its KV and positions are right), any other keeps outputs unchanged."""
@@ -388,44 +388,42 @@ def test_draft_model_is_checked(hf_models, cache_dir):
 
 # ---- MTP ----
 def add_mtp_head(path, seed: int = 0) -> None:
-    """Random mtp.* tensors (one full-attention layer with a dense MLP), as a Qwen3.5 checkpoint
-    carries them, and mtp_num_hidden_layers in its config."""
+    """mtp.* tensors as a Qwen3.5-family checkpoint carries them: one full-attention layer (the
+    model's last layer, which is one, perturbed: dense or experts as the model's MLPs are), fc and
+    its norms random; and mtp_num_hidden_layers in the config."""
     from safetensors.torch import load_file, save_file
 
     cfg = json.loads((path / "config.json").read_text())
-    hidden, heads, kv, hd, inter = (cfg[k] for k in ("hidden_size", "num_attention_heads", "num_key_value_heads",
-                                                      "head_dim", "intermediate_size"))
+    hidden = cfg["hidden_size"]
     gen = torch.Generator().manual_seed(seed)
-
-    def w(*shape):
-        return torch.randn(*shape, generator=gen) * (0.3 if len(shape) == 1 else 0.08)
-
-    p = "mtp.layers.0."
-    tensors = {"mtp.fc.weight": w(hidden, 2 * hidden), "mtp.pre_fc_norm_embedding.weight": w(hidden),
-               "mtp.pre_fc_norm_hidden.weight": w(hidden), "mtp.norm.weight": w(hidden),
-               p + "input_layernorm.weight": w(hidden), p + "post_attention_layernorm.weight": w(hidden),
-               p + "self_attn.q_proj.weight": w(2 * heads * hd, hidden), p + "self_attn.k_proj.weight": w(kv * hd, hidden),
-               p + "self_attn.v_proj.weight": w(kv * hd, hidden), p + "self_attn.o_proj.weight": w(hidden, heads * hd),
-               p + "self_attn.q_norm.weight": w(hd), p + "self_attn.k_norm.weight": w(hd),
-               p + "mlp.gate_proj.weight": w(inter, hidden), p + "mlp.up_proj.weight": w(inter, hidden),
-               p + "mlp.down_proj.weight": w(hidden, inter)}
     shard = path / "model.safetensors"
     state = load_file(shard)
+    last = f"model.layers.{cfg['num_hidden_layers'] - 1}."
+    assert cfg["layer_types"][-1] == "full_attention"
+    tensors = {"mtp.layers.0." + k[len(last):]: v + torch.randn(v.shape, generator=gen) * 0.05
+               for k, v in state.items() if k.startswith(last)}
+    tensors["mtp.fc.weight"] = torch.randn(hidden, 2 * hidden, generator=gen) * 0.08
+    for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        tensors[f"mtp.{name}.weight"] = torch.randn(hidden, generator=gen) * 0.3
     state.update(tensors)
     save_file(state, shard, metadata={"format": "pt"})
     cfg["mtp_num_hidden_layers"] = 1
     (path / "config.json").write_text(json.dumps(cfg))
 
 
-@pytest.fixture(scope="module")
-def qwen3_5_with_mtp(hf_models, tmp_path_factory):
+def with_mtp(hf_models, tmp_path_factory, family: str):
     import shutil
 
-    model, src = hf_models["qwen3_5"]
-    path = tmp_path_factory.mktemp("mtp") / "qwen3_5_mtp"
+    model, src = hf_models[family]
+    path = tmp_path_factory.mktemp("mtp") / family
     shutil.copytree(src, path)
     add_mtp_head(path)
     return model, path
+
+
+@pytest.fixture(scope="module")
+def qwen3_5_with_mtp(hf_models, tmp_path_factory):
+    return with_mtp(hf_models, tmp_path_factory, "qwen3_5")
 
 
 def reference_mtp(model, path, hidden: torch.Tensor, tokens: list[int]) -> torch.Tensor:
@@ -474,8 +472,9 @@ def test_mtp_proposals_match_a_transformers_reference(qwen3_5_with_mtp, cache_di
     assert req.spec_token_ids == [d0, d1]
 
 
-def test_mtp_outputs_equal_plain_decoding(qwen3_5_with_mtp, cache_dir):
-    _, path = qwen3_5_with_mtp
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe", "qwen3_next"])
+def test_mtp_outputs_equal_plain_decoding(hf_models, tmp_path_factory, cache_dir, family):
+    _, path = with_mtp(hf_models, tmp_path_factory, family)
     requests = pressure_workload()
     plain = drain(make_engine(path, cache_dir, **PRESSURE), requests)
     engine = make_engine(path, cache_dir, {"method": "mtp", "num_speculative_tokens": 2}, **PRESSURE)

@@ -44,6 +44,18 @@ class AttentionMetadata:
     state_src_slots: torch.Tensor | None = None
 
 
+def token_slots(starts: list[int], lens: list[int], tables: list[list[int]],
+                block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For sequences that add ``lens`` tokens after ``starts`` computed ones, with these block
+    tables: every new token's position, the padded tables [B, max_blocks] and every new token's
+    cache slot (all on the host)."""
+    positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lens)])
+    width = max(len(t) for t in tables)
+    table_tensor = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
+    owner = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))
+    return positions, table_tensor, table_tensor[owner, positions // block_size] * block_size + positions % block_size
+
+
 def build_metadata(slot_mapping: torch.Tensor, starts: list[int], lens: list[int], tables: torch.Tensor,
                    block_size: int, sliding_window: int | None, device: torch.device) -> AttentionMetadata:
     """Metadata for a batch whose sequences are ordered decodes first. ``starts``: computed tokens

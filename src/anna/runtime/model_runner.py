@@ -17,7 +17,8 @@ import torch
 
 from anna.core.errors import RequestError
 from anna.core.request import Request
-from anna.model.attention import AttentionMetadata, build_metadata, kv_cache_shape, read_slots, write_slots
+from anna.model.attention import (AttentionMetadata, build_metadata, kv_cache_shape, read_slots, token_slots,
+                                  write_slots)
 from anna.model.cache_spec import AttentionSpec, CacheSpec, StateSpec
 from anna.platforms import Platform
 from anna.runtime.cache_managers import CacheManagers
@@ -171,11 +172,7 @@ class ModelRunner:
                 state_dst.append(slot)
             last_rows.append(len(ids) - 1)
         dev = self.device
-        positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lens)])
-        max_blocks = max(len(t) for t in tables)
-        table_tensor = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.long)
-        owner = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))
-        slots = table_tensor[owner, positions // bs] * bs + positions % bs
+        positions, table_tensor, slots = token_slots(starts, lens, tables, bs)
         meta = build_metadata(slots, starts, lens, table_tensor, bs, self.model.config.sliding_window, dev)
         fresh = None
         if state is not None:

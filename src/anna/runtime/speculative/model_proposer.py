@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from anna.model.attention import build_metadata
+from anna.model.attention import build_metadata, token_slots
 from anna.platforms import Platform
 from anna.runtime.speculative.decoder import ProposalStep
 
@@ -37,6 +37,7 @@ class ModelProposer:
     """The shared loop; a subclass says what to run (``entries``, ``forward``, ``logits``)."""
 
     lookahead: int
+    sliding_window: int | None = None  # of the proposer's attention layers
 
     def __init__(self, num_tokens: int, block_size: int, platform: Platform, vocab_size: int) -> None:
         self.num_tokens = num_tokens
@@ -113,16 +114,10 @@ class ModelProposer:
     def _forward_rows(self, ids: list[int], starts: list[int], lens: list[int], tables: list[list[int]],
                       hidden: torch.Tensor | None) -> torch.Tensor:
         bs, dev = self.block_size, self.platform.device
-        positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lens)])
-        width = max(len(t) for t in tables)
-        table_tensor = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
-        owner = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))
-        slots = table_tensor[owner, positions // bs] * bs + positions % bs
+        positions, table_tensor, slots = token_slots(starts, lens, tables, bs)
         meta = build_metadata(slots, starts, lens, table_tensor, bs, self.sliding_window, dev)
         with self.platform.numerics():
             return self.forward(torch.tensor(ids, dtype=torch.long, device=dev), positions.to(dev), hidden, meta)
-
-    sliding_window: int | None = None
 
 
 class DraftModelProposer(ModelProposer):
