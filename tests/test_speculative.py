@@ -380,6 +380,20 @@ def test_draft_model_outputs_equal_plain_decoding(hf_models, cache_dir, target, 
     assert_pool_free(engine)
 
 
+def test_draft_model_kv_travels_with_the_exact_prompt_cache(hf_models, cache_dir):
+    """A prompt restored from the exact prompt cache brings the draft's KV too: a draft that is the
+    target keeps being accepted every time."""
+    path = hf_models["qwen2"][1]
+    spec = {"method": "draft_model", "model": str(path), "num_speculative_tokens": 3}
+    engine = make_engine(path, cache_dir, spec, prompt_cache_size=2)
+    prompt = looping_prompts(1, seed=3)[0]
+    first = drain(engine, [("a", prompt, greedy(24))])["a"].outputs[0].token_ids
+    again = drain(engine, [("b", prompt, greedy(24))])["b"].outputs[0].token_ids
+    assert engine.prompt_cache.hits == 1 and again == first
+    assert engine.stats.spec.num_accepted_tokens == engine.stats.spec.num_draft_tokens > 0
+    assert_pool_free(engine)
+
+
 def test_draft_model_is_checked(hf_models, cache_dir):
     with pytest.raises(ValueError, match="speculative_config.model: .*recurrent layers"):
         make_engine(hf_models["qwen2"][1], cache_dir,

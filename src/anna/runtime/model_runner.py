@@ -120,9 +120,10 @@ class ModelRunner:
         self.kv_caches = [c for c in self.layer_caches if isinstance(c, tuple)]  # the paged layers'
         proposer_specs = getattr(speculative.proposer, "cache_specs", None) if speculative else None
         if proposer_specs:  # a draft model's or MTP layer's KV: in the same blocks as the target's
-            speculative.proposer.attach(
-                allocate_caches(proposer_specs, platform, num_blocks=self.kv.num_blocks + spare,
-                                block_size=self.kv.block_size, num_slots=0, huge_pages=huge_pages), self.kv.block_ids)
+            proposer_caches = allocate_caches(proposer_specs, platform, num_blocks=self.kv.num_blocks + spare,
+                                              block_size=self.kv.block_size, num_slots=0, huge_pages=huge_pages)
+            speculative.proposer.attach(proposer_caches, self.kv.block_ids)
+            self.kv_caches += proposer_caches  # (a block's rows of both are released and cached together)
         if decode_executor is not None:
             decode_executor.attach(self.layer_caches, pad_block=self.kv.num_blocks)
 
