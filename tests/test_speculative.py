@@ -297,18 +297,35 @@ def test_chunked_prefill_preemption_and_prefix_hits(hf_models, cache_dir, family
     assert_rollbacks_of_every_length(engine)
 
 
-def test_speculation_goes_before_preemption(qwen2_dir, cache_dir):
-    """A pool with room for every sequence's plain decoding but not for its proposals: nobody is
-    preempted, the proposals shrink."""
-    prompts = looping_prompts(4, seed=2)
-    requests = [(f"r{i}", p[:15], greedy(16)) for i, p in enumerate(prompts)]  # 15 + 16 tokens: 2 blocks each
-    engine = make_engine(qwen2_dir, cache_dir, NGRAM, num_gpu_blocks_override=8, block_size=16,
-                         max_model_len=128)
-    plain = drain(make_engine(qwen2_dir, cache_dir, num_gpu_blocks_override=8, block_size=16,
-                         max_model_len=128), requests)
-    got = drain(engine, requests)
-    assert engine.scheduler.num_preemptions == 0
-    assert {r: o.outputs[0].token_ids for r, o in got.items()} == {r: o.outputs[0].token_ids for r, o in plain.items()}
+def test_speculation_goes_before_preemption():
+    """Two decoding sequences fill a two-block pool; proposals that would need a third block are
+    dropped (no one is preempted), and with room they are scheduled and counted in the budget."""
+    from anna.runtime.cache_managers import CacheManagers
+    from anna.runtime.kv_cache import KVCacheManager
+    from anna.runtime.scheduler import Scheduler, SchedulerConfig
+
+    def decoding_pair(num_blocks: int, budget: int = 64) -> tuple[Scheduler, list[Request]]:
+        sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=budget, long_prefill_token_threshold=64,
+                                          prefill_interval_steps=1, event_driven_prefill_insert=True),
+                          CacheManagers(KVCacheManager(num_blocks, 4, enable_prefix_caching=False)))
+        reqs = [Request(f"r{i}", [3, 4, 5], greedy(10)) for i in range(2)]
+        for req in reqs:
+            sched.add(req)
+        assert sched.schedule().num_new_tokens == [3, 3]  # the prompts: one block each
+        for req in reqs:  # their first tokens: the next position still fits the first block
+            req.num_computed_tokens = 3
+            req.append_output_token(9)
+            req.spec_token_ids = [6, 7, 8]
+        return sched, reqs
+
+    sched, reqs = decoding_pair(num_blocks=2)
+    batch = sched.schedule()
+    assert batch.num_new_tokens == [1, 1] and batch.spec_token_ids == [[], []] and not batch.preempted
+    sched, reqs = decoding_pair(num_blocks=4)
+    batch = sched.schedule()
+    assert batch.num_new_tokens == [4, 4] and batch.spec_token_ids == [[6, 7, 8]] * 2
+    sched, reqs = decoding_pair(num_blocks=4, budget=6)  # the token budget: 4, then 2 (1 + 1 proposal)
+    assert sched.schedule().num_new_tokens == [4, 2]
 
 
 def test_stop_strings_and_max_tokens_inside_an_accepted_run(qwen2_dir, cache_dir):
