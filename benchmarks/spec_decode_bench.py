@@ -148,7 +148,7 @@ class ReplayProposer:
     def propose(self, step: ProposalStep) -> dict[str, list[int]]:
         out = {}
         for i, req in enumerate(step.requests):
-            if step.wants[i]:
+            if step.lengths[i]:
                 done = req.num_output_tokens + len(step.new_tokens(i))
                 truth = self.output[done:done + self.k]
                 out[req.request_id] = [t if self.rng.random() < self.rate else (t + 1) % self.vocab for t in truth]

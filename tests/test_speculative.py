@@ -79,7 +79,7 @@ class OracleProposer:
     def propose(self, step: ProposalStep) -> dict[str, list[int]]:
         out = {}
         for i, req in enumerate(step.requests):
-            if not step.wants[i]:
+            if not step.lengths[i]:
                 continue
             done = req.num_output_tokens + len(step.new_tokens(i))
             truth = self.reference[req.request_id][done:done + self.k]

@@ -24,7 +24,7 @@ class ProposalStep:
     inputs: Any  # ModelInputs
     hidden: torch.Tensor  # the target's hidden states of every token of the step, model order
     sampled: dict[str, Any]  # request id -> SampledToken (accepted proposals, then the new token)
-    wants: list[bool]  # whether to propose for this request (it got a token and may speculate)
+    lengths: list[int]  # how many tokens to propose for this request (0: none; it may not speculate)
 
     def new_tokens(self, i: int) -> list[int]:
         """The tokens request i gained in this step (not yet appended to it)."""
@@ -49,22 +49,19 @@ class SpeculativeDecoder:
     def after_step(self, batch: Any, inputs: Any, hidden: torch.Tensor, sampled: dict[str, Any]) -> dict[str, list[int]]:
         spec = batch.spec_token_ids or [[]] * len(batch.requests)
         may = batch.may_propose or [False] * len(batch.requests)
-        wants, lengths = [], {}
+        lengths = []
         k = self.config.num_speculative_tokens
         for req, proposed, allowed in zip(batch.requests, spec, may):
             token = sampled.get(req.request_id)
             if proposed and token is not None:
                 self.backoff.observe(req.request_id, len(proposed), len(token.accepted))
-            length = self.backoff.allowed(req.request_id, k) if allowed and token is not None \
-                and token.value is not None else 0
-            wants.append(length > 0)
-            if length < k:
-                lengths[req.request_id] = length
-        step = ProposalStep(batch.requests, batch.num_new_tokens, spec, inputs, hidden, sampled, wants)
+            lengths.append(self.backoff.allowed(req.request_id, k) if allowed and token is not None
+                           and token.value is not None else 0)
+        step = ProposalStep(batch.requests, batch.num_new_tokens, spec, inputs, hidden, sampled, lengths)
         drafts = self.proposer.propose(step)
-        for rid, length in lengths.items():
-            if rid in drafts:
-                drafts[rid] = drafts[rid][:length]
+        for req, length in zip(batch.requests, lengths):
+            if req.request_id in drafts:
+                drafts[req.request_id] = drafts[req.request_id][:length]
         return drafts
 
     def forget(self, request_id: str) -> None:

@@ -85,15 +85,20 @@ class ModelProposer:
             return {}
         ends = torch.tensor([len(c.token_ids) for c in catch_ups]).cumsum(0) - 1
         last_hidden = hidden[ends[[k for k, c in enumerate(catch_ups) if c.proposes]].to(hidden.device)]
-        drafts = [[t] for t in self._argmax(last_hidden)]
-        request_ids = [step.requests[c.request_index].request_id for c in proposing]
-        positions = [c.first_position + len(c.token_ids) for c in proposing]
-        for _ in range(self.num_tokens - 1):
-            last_hidden = self._step(request_ids, [d[-1] for d in drafts], positions, last_hidden)
-            for d, t in zip(drafts, self._argmax(last_hidden)):
-                d.append(t)
-            positions = [p + 1 for p in positions]
-        return dict(zip(request_ids, drafts))
+        active = [step.requests[c.request_index].request_id for c in proposing]
+        drafts = {rid: [t] for rid, t in zip(active, self._argmax(last_hidden))}
+        wanted = {rid: step.lengths[c.request_index] for rid, c in zip(active, proposing)}
+        position = {rid: c.first_position + len(c.token_ids) for rid, c in zip(active, proposing)}
+        while True:  # one token more for each request that wants more (a back-off probe wants one)
+            keep = [j for j, rid in enumerate(active) if len(drafts[rid]) < wanted[rid]]
+            if not keep:
+                return drafts
+            active = [active[j] for j in keep]
+            last_hidden = self._step(active, [drafts[r][-1] for r in active], [position[r] for r in active],
+                                     last_hidden[keep])
+            for rid, t in zip(active, self._argmax(last_hidden)):
+                drafts[rid].append(t)
+                position[rid] += 1
 
     def _argmax(self, hidden: torch.Tensor) -> list[int]:
         return self.logits(hidden)[:, :self.vocab_size].argmax(dim=-1).tolist()
@@ -135,7 +140,7 @@ class DraftModelProposer(ModelProposer):
     def entries(self, step: ProposalStep, i: int, start: int, computed: int) -> CatchUp:
         req = step.requests[i]
         known = req.all_token_ids + step.new_tokens(i)
-        proposes = step.wants[i]
+        proposes = step.lengths[i] > 0
         return CatchUp(i, known[start:start + computed + (1 if proposes else 0)], start, [], proposes)
 
     def forward(self, input_ids, positions, hidden, meta) -> torch.Tensor:

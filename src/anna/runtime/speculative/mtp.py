@@ -37,7 +37,7 @@ class MtpProposer(ModelProposer):
         known = req.all_token_ids + step.new_tokens(i)
         first_row = step.inputs.logits_indices[step.inputs.order.index(i)] - step.num_new_tokens[i] + 1
         return CatchUp(i, known[start + 1:start + computed + 1], start, list(range(first_row, first_row + computed)),
-                       step.wants[i])
+                       step.lengths[i] > 0)
 
     def propose(self, step: ProposalStep) -> dict[str, list[int]]:
         self._proposal = 0

@@ -33,7 +33,7 @@ class NgramProposer:
     def propose(self, step: "ProposalStep") -> dict[str, list[int]]:
         out = {}
         for i, req in enumerate(step.requests):
-            if step.wants[i]:
+            if step.lengths[i]:
                 found = self.lookup(req.request_id, req.all_token_ids + step.new_tokens(i))
                 if found:
                     out[req.request_id] = found
