@@ -282,6 +282,20 @@ def test_every_served_name_is_accepted_and_the_first_reported(server):
     assert r.status_code == 200 and r.json()["model"] == MODEL
 
 
+def test_models_retrieve_each_served_name(client, server):
+    """client.models.retrieve: every served name (the model path too, slashes and all) and a 404 in
+    OpenAI's error shape for any other."""
+    for name in (MODEL, SERVER_MODEL_ALIAS):
+        card = client.models.retrieve(name)
+        assert card.id == name and card.object == "model"
+    root = httpx.get(server + "/v1/models", headers=auth()).json()["data"][0]["root"]
+    assert httpx.get(server + f"/v1/models/{MODEL}", headers=auth()).json()["root"] == root
+    with pytest.raises(openai.NotFoundError) as err:
+        client.models.retrieve("gpt-5")
+    assert err.value.body["code"] == "model_not_found" and err.value.body["param"] == "model"
+    assert httpx.get(server + f"/v1/models/{MODEL}").status_code == 401  # the key is needed here too
+
+
 def test_invalid_json_unknown_model_and_bad_token_ids(server):
     r = httpx.post(server + "/v1/completions", content=b"{not json", headers={**auth(),
                                                                               "content-type": "application/json"})

@@ -25,7 +25,7 @@ from anna.server.protocol import (APIError, ChatCompletionRequest, CompletionReq
                                   TokenizeRequest, error_response)
 from anna.server.serving_chat import serve_chat
 from anna.server.serving_completions import serve_completions
-from anna.server.serving_tokens import serve_detokenize, serve_models, serve_tokenize
+from anna.server.serving_tokens import serve_detokenize, serve_model, serve_models, serve_tokenize
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +109,10 @@ def create_app(settings: ResolvedSettings, *, load_in_background: bool = True) -
     @app.get("/v1/models")
     async def models() -> JSONResponse:
         return await serve_models(state)
+
+    @app.get("/v1/models/{name:path}")  # (a served name may be a path: the model directory by default)
+    async def model(name: str) -> JSONResponse:
+        return await serve_model(state, name)
 
     @app.get("/metrics")
     async def metrics() -> Response:

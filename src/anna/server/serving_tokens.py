@@ -38,9 +38,19 @@ async def serve_detokenize(state: ServerState, request: Request) -> JSONResponse
     return JSONResponse({"prompt": text})
 
 
+def model_card(state: ServerState, name: str) -> dict:
+    engine = state.core
+    return {"id": name, "object": "model", "created": state.created, "owned_by": "anna", "root": engine.model_dir,
+            "max_model_len": engine.max_model_len}
+
+
 async def serve_models(state: ServerState) -> JSONResponse:
     """GET /v1/models: every served name, one model."""
-    engine = state.core
-    return JSONResponse({"object": "list", "data": [{
-        "id": name, "object": "model", "created": state.created, "owned_by": "anna",
-        "root": engine.model_dir, "max_model_len": engine.max_model_len} for name in state.model_names]})
+    return JSONResponse({"object": "list", "data": [model_card(state, name) for name in state.model_names]})
+
+
+async def serve_model(state: ServerState, name: str) -> JSONResponse:
+    """GET /v1/models/{id} (the openai SDK's models.retrieve); a name this server does not serve
+    is a 404 that lists the ones it does."""
+    check_model(state, name)
+    return JSONResponse(model_card(state, name))
