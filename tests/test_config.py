@@ -105,6 +105,22 @@ def test_help_shows_default_and_env_for_every_flag(capsys):
         assert env_name(f) in text, f.name
 
 
+def test_every_cli_option_has_help_text():
+    """Every option of every subcommand (anna serve, generate, bench serve/dataset/compare) says what it does."""
+    import argparse
+
+    def parsers(parser: argparse.ArgumentParser):
+        yield parser
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub in action.choices.values():
+                    yield from parsers(sub)
+
+    missing = [f"{p.prog} {a.option_strings or a.dest}" for p in parsers(build_parser()) for a in p._actions
+               if not isinstance(a, (argparse._HelpAction, argparse._SubParsersAction)) and not a.help]
+    assert not missing, missing
+
+
 def test_tuning_doc_lists_every_setting():
     doc = DOCS.read_text()
     for f in settings_fields():
