@@ -97,13 +97,17 @@ class LLM:
             raise ValueError("messages: must be a list of message dicts ({'role': ..., 'content': ...}), "
                              "or a list of such lists")
         tok = self.llm_engine.tokenizer
-        prompts = []
+        prompts, texts = [], []
         for conv in conversations:
             text = render_chat(chat_template or tok.chat_template, conv, add_generation_prompt=add_generation_prompt,
                                tools=tools, special_tokens={"bos_token": tok.bos_token, "eos_token": tok.eos_token},
                                template_kwargs=chat_template_kwargs)
+            texts.append(text)
             prompts.append(tok.encode(text, add_special_tokens=False))
-        return self.generate(prompts, sampling_params, use_tqdm)
+        outputs = self.generate(prompts, sampling_params, use_tqdm)
+        for out, text in zip(outputs, texts):
+            out.prompt = text  # the rendered conversation, as vLLM reports it
+        return outputs
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine

@@ -47,6 +47,7 @@ class Request:
     prefix_leader: Request | None = field(default=None, repr=False)
     # Per output token: {token id: Logprob} for the top alternatives and the chosen token
     output_logprobs: list[dict] = field(default_factory=list)
+    cumulative_logprob: float = 0.0  # with logprobs: the sum of the output tokens' logprobs
     # With prompt_logprobs: per prompt position, {token id: Logprob} once computed (None for the
     # first); a recompute after preemption writes the same positions again
     prompt_logprobs: list[dict | None] = field(default_factory=list)

@@ -235,7 +235,11 @@ class LLMEngine:
         req = state.req
         ended_by_token = self.scheduler.append_token(req, token, record)
         if logprobs is not None:  # shaped once per token, not on every output
-            req.output_logprobs.append(logprob_entry(token, *logprobs))
+            entry = logprob_entry(token, *logprobs)
+            for token_id, lp in entry.items():
+                lp.decoded_token = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            req.output_logprobs.append(entry)
+            req.cumulative_logprob += entry[token].logprob
         hit = self.outputs.add_token(state, token, ended_by_token)
         if hit is not None:
             self._finish(req, "stop", stop_reason=hit[1])

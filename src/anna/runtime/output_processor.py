@@ -81,6 +81,7 @@ class OutputProcessor:
             outs.append(CompletionOutput(
                 index=i, text=text, token_ids=list(req.output_token_ids), finish_reason=req.finish_reason,
                 stop_reason=req.stop_reason,
+                cumulative_logprob=None if req.sampling_params.logprobs is None else req.cumulative_logprob,
                 logprobs=None if req.sampling_params.logprobs is None else list(req.output_logprobs)))
         first = group.seqs[0].req  # the one sequence of a group that computes prompt logprobs
         return RequestOutput(group.request_id, group.prompt, first.prompt_token_ids, outs, group.finished,
