@@ -464,6 +464,23 @@ def test_echo_with_logprobs_scores_the_prompt_like_transformers(server, hf_model
     assert len(r.json()["choices"][0]["prompt_logprobs"]) == r.json()["usage"]["prompt_tokens"]
 
 
+def test_max_tokens_zero_with_echo_scores_the_prompt_alone(server):
+    """The older loglikelihood request of evaluation harnesses (max_tokens 0, echo, logprobs): the
+    prompt's text and logprobs, nothing generated; streaming it is refused with a 400."""
+    ids = [(i * 29 + 5) % 700 + 3 for i in range(20)]
+    body = {"model": MODEL, "prompt": ids, "max_tokens": 1, "temperature": 0, "echo": True, "logprobs": 1}
+    one = httpx.post(server + "/v1/completions", json=body, headers=auth()).json()
+    zero = httpx.post(server + "/v1/completions", json={**body, "max_tokens": 0}, headers=auth()).json()
+    choice, lp = zero["choices"][0], zero["choices"][0]["logprobs"]
+    assert zero["usage"]["completion_tokens"] == 0 and choice["finish_reason"] == "length"
+    assert len(lp["tokens"]) == len(ids) and lp["token_logprobs"][0] is None
+    assert lp["token_logprobs"] == one["choices"][0]["logprobs"]["token_logprobs"][:len(ids)]
+    prompt_text = httpx.post(server + "/detokenize", headers=auth(), json={"tokens": ids}).json()["prompt"]
+    assert choice["text"] == prompt_text
+    r = httpx.post(server + "/v1/completions", json={**body, "max_tokens": 0, "stream": True}, headers=auth())
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+
+
 def test_allowed_token_ids_and_bad_words_over_http(server):
     r = httpx.post(server + "/v1/completions", headers=auth(), json={
         "model": MODEL, "prompt": "x", "max_tokens": 5, "ignore_eos": True, "allowed_token_ids": [321]})

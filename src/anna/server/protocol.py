@@ -146,7 +146,8 @@ class ChatCompletionRequest(SamplingFields):
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(default=16, ge=1)  # OpenAI's (and vLLM's) default for completions
+    # OpenAI's (and vLLM's) default for completions; 0 with echo: the prompt scored, nothing generated
+    max_tokens: int | None = Field(default=16, ge=0)
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: str | None = None  # refused when given: no fill-in-the-middle

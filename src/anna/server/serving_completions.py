@@ -28,6 +28,12 @@ async def serve_completions(state: ServerState, request: Request) -> Response:
     if req.best_of not in (None, 1, req.n):
         raise APIError(400, f"best_of: {req.best_of} is not supported: Anna returns every sample it draws, so "
                             f"best_of may only be 1 or n ({req.n})", param="best_of")
+    # max_tokens 0 (with echo, the older loglikelihood shape of evaluation harnesses): the prompt is
+    # computed (and its logprobs returned), nothing generated; the one token the engine samples is dropped
+    scoring = req.max_tokens == 0
+    if scoring and req.stream:
+        raise APIError(400, "max_tokens: 0 (the prompt scored, nothing generated) is answered without streaming",
+                       param="max_tokens")
     engine = state.core
     prompts = normalize_prompts(req.prompt)
     encoded = []
@@ -40,7 +46,7 @@ async def serve_completions(state: ServerState, request: Request) -> Response:
     top = req.logprobs
     spec, spec_field = request_constraint(req)
     prompt_top = req.prompt_logprobs if req.prompt_logprobs is not None else top if req.echo else None
-    all_params = [build_sampling_params(state, req, len(ids), req.max_tokens, top, spec, prompt_top)
+    all_params = [build_sampling_params(state, req, len(ids), 1 if scoring else req.max_tokens, top, spec, prompt_top)
                   for _, ids in encoded]
     await compile_constraint(state.prompt_pool, engine, spec, spec_field)
     rid = f"cmpl-{uuid.uuid4().hex}"
@@ -62,11 +68,13 @@ async def serve_completions(state: ServerState, request: Request) -> Response:
         prompt_tokens += len(ids)
         cached += out.num_cached_tokens
         for o in out.outputs:
-            completion_tokens += len(o.token_ids)
-            lp = completion_logprobs(engine, o, 0, len(o.token_ids), len(prefix))
-            choices.append({"index": i * n + o.index, "text": prefix + o.text,
+            generated = 0 if scoring else len(o.token_ids)
+            completion_tokens += generated
+            lp = completion_logprobs(engine, o, 0, generated, len(prefix))
+            choices.append({"index": i * n + o.index, "text": prefix + ("" if scoring else o.text),
                             "logprobs": echoed_logprobs(engine, out, lp) if req.echo else lp,
-                            "finish_reason": finish_reason(o, None), "stop_reason": o.stop_reason})
+                            "finish_reason": "length" if scoring else finish_reason(o, None),
+                            "stop_reason": None if scoring else o.stop_reason})
             if req.prompt_logprobs is not None:
                 choices[-1]["prompt_logprobs"] = vllm_prompt_logprobs(engine, out)
     return JSONResponse({**base, "object": "text_completion", "choices": choices,
