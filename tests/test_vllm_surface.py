@@ -44,3 +44,24 @@ def test_chat_reports_the_rendered_prompt(llm):
     out = llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=2), use_tqdm=False)[0]
     assert out.prompt is not None and "Hi" in out.prompt
     assert llm.get_tokenizer().encode(out.prompt, add_special_tokens=False) == out.prompt_token_ids
+
+
+def test_vllm_sampling_params_names(llm):
+    from anna.sampling_params import GuidedDecodingParams
+
+    ids_only = llm.generate(["a b"], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, detokenize=False),
+                            use_tqdm=False)[0].outputs[0]
+    with_text = llm.generate(["a b"], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True),
+                             use_tqdm=False)[0].outputs[0]
+    assert ids_only.text == "" and ids_only.token_ids == with_text.token_ids and with_text.text
+    guided = SamplingParams(temperature=0, max_tokens=8, guided_decoding=GuidedDecodingParams(choice=["yes", "no"]))
+    assert guided.structured_outputs is not None and guided.guided_decoding is None
+    assert llm.generate(["q"], guided, use_tqdm=False)[0].outputs[0].text in ("yes", "no")
+    assert SamplingParams(n=2, best_of=2).best_of == 2
+    for kwargs, field in [(dict(n=1, best_of=3), "best_of"), (dict(spaces_between_special_tokens=False),
+                                                               "spaces_between_special_tokens"),
+                          (dict(detokenize=False, stop=["x"]), "detokenize"),
+                          (dict(guided_decoding=GuidedDecodingParams(regex="a"),
+                                structured_outputs=GuidedDecodingParams(regex="b")), "guided_decoding")]:
+        with pytest.raises(ValueError, match=f"^{field}:"):
+            SamplingParams(**kwargs)

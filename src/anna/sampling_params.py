@@ -2,4 +2,6 @@
 
 from anna.core.sampling_params import SamplingParams, StructuredOutputsParams
 
-__all__ = ["SamplingParams", "StructuredOutputsParams"]
+GuidedDecodingParams = StructuredOutputsParams  # vLLM's older name, for SamplingParams(guided_decoding=...)
+
+__all__ = ["SamplingParams", "StructuredOutputsParams", "GuidedDecodingParams"]

@@ -97,6 +97,11 @@ class SamplingParams:
     # False: this request never speculates, where the engine has speculative decoding on (its
     # output is the same either way; this only saves the verification work)
     speculative: bool = True
+    detokenize: bool = True  # False: token ids only, no text (vLLM's)
+    # vLLM's names that Anna takes as they are where they mean what Anna does, and refuses otherwise
+    spaces_between_special_tokens: bool = True
+    best_of: int | None = None
+    guided_decoding: StructuredOutputsParams | None = None  # vLLM's older name of structured_outputs
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -114,6 +119,10 @@ class SamplingParams:
                 raise ValueError(f"logit_bias: must map token ids to numbers (got {self.logit_bias!r})") from None
         if self.top_k == -1:
             self.top_k = 0
+        if self.guided_decoding is not None:
+            if self.structured_outputs is not None:
+                raise ValueError("guided_decoding: give structured_outputs or its older name guided_decoding, not both")
+            self.structured_outputs, self.guided_decoding = self.guided_decoding, None
         self.validate()
 
     @property
@@ -182,6 +191,15 @@ class SamplingParams:
             bad("logit_bias", "values must be in [-100, 100]")
         if not isinstance(self.speculative, bool):
             bad("speculative", "must be true or false")
+        if not isinstance(self.detokenize, bool):
+            bad("detokenize", "must be true or false")
+        if not self.detokenize and self.stop_strings:
+            bad("detokenize", "must be true with stop strings, which are found in the text")
+        if self.spaces_between_special_tokens is not True:
+            bad("spaces_between_special_tokens", "Anna's tokenizer decodes special tokens as the tokenizer file "
+                "says; only true is supported")
+        if self.best_of is not None and self.best_of != self.n:
+            bad("best_of", f"Anna returns every sample it draws, so best_of may only be n ({self.n})")
         if self.output_kind not in OUTPUT_KINDS:
             bad("output_kind", f"must be one of {', '.join(OUTPUT_KINDS)}")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):

@@ -55,6 +55,8 @@ class OutputProcessor:
         sequence; returns (index in the text, stop string) when a stop string now ends it."""
         req, p = state.req, state.req.sampling_params
         hit = None
+        if not p.detokenize:  # token ids only (vLLM's detokenize=False)
+            return None
         if not ended_by_token:
             before = len(state.detok.text)
             state.detok.add(token)
