@@ -41,7 +41,7 @@ def run_stream(step: int) -> list[dict]:
 
     async def collect():
         return [chunk async for chunk in chat_stream(state(), gen(), {"id": "x", "created": 0, "model": "m"}, 1,
-                                                     5, WEATHER, "none", True, False)]
+                                                     5, WEATHER, "none", 0, True, False)]
 
     chunks = asyncio.run(collect())
     assert chunks[-1] == "data: [DONE]\n\n"

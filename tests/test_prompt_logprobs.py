@@ -28,8 +28,9 @@ def assert_prompt_logprobs_match(out, prompt, ref_logits, k):
     for pos in range(1, len(prompt)):
         entry, row = lps[pos], ref[pos - 1]
         assert abs(entry[prompt[pos]].logprob - row[prompt[pos]].item()) < 1e-4, pos
-        ranked = sorted((lp.rank, tid) for tid, lp in entry.items() if lp.rank is not None)
+        ranked = sorted((lp.rank, tid) for tid, lp in entry.items() if lp.rank <= k)
         assert [tid for _, tid in ranked] == torch.topk(row, k).indices.tolist(), pos
+        assert entry[prompt[pos]].rank == int((row > row[prompt[pos]]).sum()) + 1, pos  # in the top k or not
 
 
 def test_prompt_logprobs_match_transformers_across_chunks(llm, hf_models):

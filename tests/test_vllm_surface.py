@@ -33,9 +33,10 @@ def test_logprobs_fill_cumulative_logprob_and_decoded_tokens(llm):
                        use_tqdm=False)[0].outputs[0]
     chosen = [entry[t].logprob for t, entry in zip(out.token_ids, out.logprobs)]
     assert math.isclose(out.cumulative_logprob, sum(chosen), rel_tol=1e-6, abs_tol=1e-6)
-    for entry in out.logprobs:
+    for token, entry in zip(out.token_ids, out.logprobs):
         for token_id, lp in entry.items():
             assert lp.decoded_token == tok.decode([token_id], skip_special_tokens=False)
+        assert entry[token].rank is not None and (entry[token].rank <= 2) == (len(entry) == 2)
     plain = llm.generate(["a b c"], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0]
     assert plain.cumulative_logprob is None and plain.logprobs is None
 

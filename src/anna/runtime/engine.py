@@ -216,8 +216,8 @@ class LLMEngine:
                           touched: dict[str, RequestGroup]) -> None:
         if req.request_id in result.prompt_logprobs:
             first, entries = result.prompt_logprobs[req.request_id]
-            for pos, (chosen, top) in enumerate(entries, first):
-                req.prompt_logprobs[pos] = logprob_entry(req.prompt_token_ids[pos], chosen, top)
+            for pos, (chosen, top, rank) in enumerate(entries, first):
+                req.prompt_logprobs[pos] = logprob_entry(req.prompt_token_ids[pos], chosen, top, rank)
         if req.request_id not in result.sampled:
             return
         first_token = req.num_output_tokens == (0 if tokens else 1)  # (a placeholder is appended)

@@ -43,9 +43,9 @@ class SampledToken:
 @dataclass
 class StepResult:
     sampled: dict[str, SampledToken]  # by request id: the requests that got a new token
-    # by request id: (first prompt position, [(logprob, top alternatives), ...]) for requests with
+    # by request id: (first prompt position, [(logprob, top alternatives, rank), ...]) for requests with
     # prompt_logprobs whose prefill chunk ran in this step
-    prompt_logprobs: dict[str, tuple[int, list[tuple[float, list[tuple[int, float]]]]]]
+    prompt_logprobs: dict[str, tuple[int, list[tuple[float, list[tuple[int, float]], int]]]]
     # by request id: the requests this step could not serve (their input, or an error of theirs
     # alone); they got no token and are to be failed, the others go on
     failed: dict[str, RequestError] = field(default_factory=dict)

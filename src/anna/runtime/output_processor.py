@@ -100,11 +100,11 @@ class OutputProcessor:
                              error=group.error)
 
 
-def logprob_entry(token: int, chosen: float, top: list[tuple[int, float]]) -> dict[int, Logprob]:
-    """vLLM's shape: the top alternatives by rank (from 1), and the token itself (unranked when
-    it is not among them)."""
+def logprob_entry(token: int, chosen: float, top: list[tuple[int, float]], rank: int) -> dict[int, Logprob]:
+    """vLLM's shape: the top alternatives by rank (from 1), and the token itself with its rank
+    where it is not among them."""
     entry = {tid: Logprob(lp, rank=r + 1) for r, (tid, lp) in enumerate(top)}
-    entry.setdefault(token, Logprob(chosen))
+    entry.setdefault(token, Logprob(chosen, rank=rank))
     return entry
 
 

@@ -24,8 +24,8 @@ log = logging.getLogger(__name__)
 @dataclass
 class SampleResult:
     tokens: torch.Tensor  # [rows] long, on the device: read it on the host only when needed
-    # per row: (chosen token logprob, [(token id, logprob), ...]) or None when not asked for
-    logprobs: list[tuple[float, list[tuple[int, float]]] | None]
+    # per row: (chosen token logprob, [(token id, logprob), ...], its rank) or None when not asked for
+    logprobs: list[tuple[float, list[tuple[int, float]], int] | None]
     failed: dict[int, RequestError] = field(default_factory=dict)  # rows that got no token, and why
 
 
@@ -117,7 +117,7 @@ class Sampler:
         for i in sampled:
             if i not in failed:
                 _per_row([i], failed, draw)
-        logprobs: list[tuple[float, list[tuple[int, float]]] | None] = [None] * len(requests)
+        logprobs: list[tuple[float, list[tuple[int, float]], int] | None] = [None] * len(requests)
         want = [i for i, p in enumerate(params) if p.logprobs is not None and i not in failed]
         if want:
             token_list = tokens.tolist()
@@ -225,15 +225,18 @@ def _unsamplable(req: Request) -> RequestError:
 
 
 def token_logprobs(logits: torch.Tensor, targets: list[int],
-                   top: list[int]) -> list[tuple[float, list[tuple[int, float]]]]:
-    """Per row of raw logits: the logprob of its target token and its ``top[row]`` most likely
-    tokens as (token id, logprob), from one log_softmax and one topk for all rows."""
+                   top: list[int]) -> list[tuple[float, list[tuple[int, float]], int]]:
+    """Per row of raw logits: the logprob of its target token, its ``top[row]`` most likely tokens
+    as (token id, logprob), and the target's rank (1 = the likeliest), from one log_softmax and
+    one topk for all rows."""
     lp = torch.log_softmax(logits.float(), dim=-1)
-    chosen = lp.gather(1, torch.tensor(targets, device=lp.device).unsqueeze(1)).squeeze(1).tolist()
+    chosen_t = lp.gather(1, torch.tensor(targets, device=lp.device).unsqueeze(1))
+    ranks = ((lp > chosen_t).sum(dim=1) + 1).tolist()
+    chosen = chosen_t.squeeze(1).tolist()
     k = max(top)
     vals, ids = (torch.topk(lp, k) if k else (lp[:, :0], lp[:, :0].long()))
     vals, ids = vals.tolist(), ids.tolist()
-    return [(chosen[r], list(zip(ids[r][:top[r]], vals[r][:top[r]]))) for r in range(len(targets))]
+    return [(chosen[r], list(zip(ids[r][:top[r]], vals[r][:top[r]])), ranks[r]) for r in range(len(targets))]
 
 
 def is_plain_greedy(requests: list[Request]) -> bool:

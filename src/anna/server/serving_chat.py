@@ -73,7 +73,7 @@ async def serve_chat(state: ServerState, request: Request) -> Response:
     gen = await start_request(state, rid, ids, params)
     base = {"id": rid, "created": int(time.time()), "model": state.model_name}
     if req.stream:
-        return StreamingResponse(chat_stream(state, gen, base, params.n, len(ids), tools, reasoning,
+        return StreamingResponse(chat_stream(state, gen, base, params.n, len(ids), tools, reasoning, top or 0,
                                              *stream_usage(req.stream_options)),
                                  media_type="text/event-stream")
     out = await run_until_done(request, final_output(gen))
@@ -89,7 +89,7 @@ async def serve_chat(state: ServerState, request: Request) -> Response:
         if parser.calls:
             message["tool_calls"] = [c.to_openai() for c in parser.calls]
         choices.append({"index": o.index, "message": message, "finish_reason": finish_reason(o, parser),
-                        "logprobs": chat_logprobs(engine, o, 0, len(o.token_ids)),
+                        "logprobs": chat_logprobs(engine, o, 0, len(o.token_ids), top or 0),
                         "stop_reason": o.stop_reason})
         if req.prompt_logprobs is not None:
             choices[-1]["prompt_logprobs"] = vllm_prompt_logprobs(engine, out)
@@ -99,8 +99,8 @@ async def serve_chat(state: ServerState, request: Request) -> Response:
 
 
 async def chat_stream(state: ServerState, gen: AsyncIterator[RequestOutput], base: dict[str, Any], n: int,
-                      num_prompt: int, tools: list[dict[str, Any]] | None, reasoning: str, include_usage: bool,
-                      continuous_usage: bool) -> AsyncIterator[str]:
+                      num_prompt: int, tools: list[dict[str, Any]] | None, reasoning: str, top: int,
+                      include_usage: bool, continuous_usage: bool) -> AsyncIterator[str]:
     engine = state.core
     chunk = {**base, "object": "chat.completion.chunk"}
     sent_tokens = [0] * n
@@ -128,7 +128,7 @@ async def chat_stream(state: ServerState, gen: AsyncIterator[RequestOutput], bas
                 delta_text = o.text[sent_text[i]:]
                 sent_text[i] = len(o.text)
                 reasoning, content, calls = parsers[i].feed(delta_text, final)
-                logprobs = chat_logprobs(engine, o, sent_tokens[i], len(o.token_ids))
+                logprobs = chat_logprobs(engine, o, sent_tokens[i], len(o.token_ids), top)
                 sent_tokens[i] = len(o.token_ids)
                 delta: dict[str, Any] = {}
                 if reasoning:

@@ -55,7 +55,7 @@ async def serve_completions(state: ServerState, request: Request) -> Response:
     n = req.n
     if req.stream:
         return StreamingResponse(completion_stream(state, gens, encoded, base, n, req.echo,
-                                                   req.prompt_logprobs is not None,
+                                                   req.prompt_logprobs is not None, top or 0, prompt_top or 0,
                                                    *stream_usage(req.stream_options)),
                                  media_type="text/event-stream")
     outs = await run_until_done(request, asyncio.gather(*(final_output(g) for g in gens)))
@@ -70,9 +70,9 @@ async def serve_completions(state: ServerState, request: Request) -> Response:
         for o in out.outputs:
             generated = 0 if scoring else len(o.token_ids)
             completion_tokens += generated
-            lp = completion_logprobs(engine, o, 0, generated, len(prefix))
+            lp = completion_logprobs(engine, o, 0, generated, len(prefix), top or 0)
             choices.append({"index": i * n + o.index, "text": prefix + ("" if scoring else o.text),
-                            "logprobs": echoed_logprobs(engine, out, lp) if req.echo else lp,
+                            "logprobs": echoed_logprobs(engine, out, lp, prompt_top or 0) if req.echo else lp,
                             "finish_reason": "length" if scoring else finish_reason(o, None),
                             "stop_reason": None if scoring else o.stop_reason})
             if req.prompt_logprobs is not None:
@@ -95,7 +95,7 @@ def normalize_prompts(prompt: Any) -> list[str | list[int]]:
 
 async def completion_stream(state: ServerState, gens: list[AsyncIterator[RequestOutput]],
                             encoded: list[tuple[str | None, list[int]]], base: dict[str, Any], n: int, echo: bool,
-                            send_prompt_logprobs: bool, include_usage: bool,
+                            send_prompt_logprobs: bool, top: int, prompt_top: int, include_usage: bool,
                             continuous_usage: bool) -> AsyncIterator[str]:
     engine = state.core
     chunk = {**base, "object": "text_completion"}
@@ -140,9 +140,9 @@ async def completion_stream(state: ServerState, gens: list[AsyncIterator[Request
                 delta = prefix + o.text[start:]
                 sent_text[key] = len(o.text)
                 lp = completion_logprobs(engine, o, sent_tokens.get(key, 0), len(o.token_ids),
-                                         start + len(echoed.get(key, "")))
+                                         start + len(echoed.get(key, "")), top)
                 if first and echo:
-                    lp = echoed_logprobs(engine, item, lp)
+                    lp = echoed_logprobs(engine, item, lp, prompt_top)
                 sent_tokens[key] = len(o.token_ids)
                 if delta or o.finish_reason is not None or lp:
                     choice = {"index": i * n + o.index, "text": delta, "logprobs": lp,
