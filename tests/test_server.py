@@ -514,3 +514,16 @@ def test_truncate_prompt_tokens_over_http(server):
         "model": MODEL, "messages": [{"role": "user", "content": "hi " * 600}], "max_tokens": 2,
         "truncate_prompt_tokens": 40})
     assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 40, r.text
+
+
+def test_docs_page_loads_its_scripts_from_the_server(server):
+    """/docs works offline: every script and stylesheet the page names is served by Anna."""
+    import re
+
+    page = httpx.get(server + "/docs", headers=auth())
+    assert page.status_code == 200 and "swagger" in page.text.lower()
+    assets = re.findall(r"""(?:src|href)=["']([^"']+)["']""", page.text)
+    assert assets and all(a.startswith("/") for a in assets), assets  # nothing from another host
+    for asset in assets:
+        r = httpx.get(server + asset, headers=auth())
+        assert r.status_code == 200 and len(r.content) > 100, asset

@@ -20,7 +20,7 @@ from anna.server.async_engine import AsyncEngine
 from anna.server.common import ServerState, as_api_error, served_names
 from anna.server.guard import RequestGuard
 from anna.server.metrics import EngineCollector, make_registry, render
-from anna.server.openapi import document_request_bodies
+from anna.server.openapi import document_request_bodies, mount_docs
 from anna.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                   TokenizeRequest, error_response)
 from anna.server.serving_chat import serve_chat
@@ -69,8 +69,9 @@ def create_app(settings: ResolvedSettings, *, load_in_background: bool = True) -
         state.prompt_pool.shutdown()
         state.tokenize_pool.shutdown()
 
-    app = FastAPI(title="Anna", lifespan=lifespan)
+    app = FastAPI(title="Anna", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.anna = state
+    mount_docs(app)
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, exc: APIError) -> Response:

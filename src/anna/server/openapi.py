@@ -43,3 +43,25 @@ def document_request_bodies(app: FastAPI, bodies: dict[str, type[BaseModel]]) ->
         return doc
 
     app.openapi = openapi
+
+
+DOCS_ASSETS = "/docs/assets"
+
+
+def mount_docs(app: FastAPI) -> None:
+    """``/docs``: the Swagger UI over /openapi.json, its scripts and styles served from the package
+    (swagger-ui-bundle), so that the page works on a machine with no internet (FastAPI's own page
+    loads them from a CDN)."""
+    from fastapi.openapi.docs import get_swagger_ui_html
+    from fastapi.responses import HTMLResponse
+    from fastapi.staticfiles import StaticFiles
+    from swagger_ui_bundle import swagger_ui_path
+
+    app.mount(DOCS_ASSETS, StaticFiles(directory=swagger_ui_path), name="docs-assets")
+
+    @app.get("/docs", include_in_schema=False)
+    async def docs() -> HTMLResponse:
+        return get_swagger_ui_html(openapi_url="/openapi.json", title=f"{app.title} API",
+                                   swagger_js_url=f"{DOCS_ASSETS}/swagger-ui-bundle.js",
+                                   swagger_css_url=f"{DOCS_ASSETS}/swagger-ui.css",
+                                   swagger_favicon_url=f"{DOCS_ASSETS}/favicon-32x32.png")
