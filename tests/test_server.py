@@ -33,7 +33,7 @@ def metrics(server) -> dict[str, float]:
     text = httpx.get(server + "/metrics", headers=auth()).text
     out = {}
     for line in text.splitlines():
-        m = re.match(r'^(anna:[a-z0-9_]+)(\{[^}]*\})? ([0-9.e+-]+)$', line)
+        m = re.match(r'^((?:anna|vllm):[a-z0-9_]+)(\{[^}]*\})? ([0-9.e+-]+)$', line)
         if m:
             labels = [kv for kv in re.findall(r'[a-z_]+="[^"]*"', m.group(2) or "") if not kv.startswith("model_name")]
             key = m.group(1) + ("{" + ",".join(labels) + "}" if labels else "")
@@ -383,6 +383,53 @@ def test_metrics_count_tokens_exactly(server, client):
     assert steps - sum(v for k, v in before.items() if k.startswith("anna:engine_steps_total")) >= 7
     text = httpx.get(server + "/metrics", headers=auth()).text
     assert 'anna:cache_config_info{' in text and 'enable_prefix_caching="True"' in text
+
+
+# The series vLLM's example Grafana dashboard (examples/online_serving/prometheus_grafana) queries,
+# each filtered by model_name; and the ones autoscalers read
+VLLM_DASHBOARD_SERIES = [
+    "vllm:e2e_request_latency_seconds_bucket", "vllm:e2e_request_latency_seconds_sum",
+    "vllm:e2e_request_latency_seconds_count", "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
+    "vllm:time_per_output_token_seconds_bucket", "vllm:time_per_output_token_seconds_sum",
+    "vllm:time_per_output_token_seconds_count", "vllm:num_requests_running", "vllm:num_requests_waiting",
+    "vllm:time_to_first_token_seconds_bucket", "vllm:time_to_first_token_seconds_sum",
+    "vllm:time_to_first_token_seconds_count", "vllm:gpu_cache_usage_perc", "vllm:kv_cache_usage_perc",
+    "vllm:request_prompt_tokens_bucket", "vllm:request_generation_tokens_bucket", "vllm:request_success_total",
+    "vllm:request_queue_time_seconds_sum", "vllm:request_prefill_time_seconds_sum",
+    "vllm:request_decode_time_seconds_sum", "vllm:request_max_num_generation_tokens_sum",
+    "vllm:iteration_tokens_total_bucket", "vllm:inter_token_latency_seconds_bucket"]
+
+
+def test_vllm_dashboard_series_exist_after_one_request(server, client):
+    """Every series vLLM's dashboard queries exists, with the model_name label, and moved with
+    one request; Anna's own names stay beside them (metrics_namespace both)."""
+    before = metrics(server)
+    client.completions.create(model=MODEL, prompt="count me", max_tokens=5, temperature=0,
+                              extra_body={"ignore_eos": True})
+    after = wait_idle(server)
+    text = httpx.get(server + "/metrics", headers=auth()).text
+    for series in VLLM_DASHBOARD_SERIES:
+        assert re.search(rf'^{re.escape(series)}\{{[^}}]*model_name="{re.escape(MODEL)}"', text, re.M), series
+    assert after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"] == 5
+    assert after["vllm:request_generation_tokens_count"] - before["vllm:request_generation_tokens_count"] == 1
+    assert after["vllm:request_generation_tokens_sum"] - before["vllm:request_generation_tokens_sum"] == 5
+    assert after["vllm:request_max_num_generation_tokens_sum"] - before["vllm:request_max_num_generation_tokens_sum"] == 5
+    assert after["vllm:iteration_tokens_total_sum"] - before["vllm:iteration_tokens_total_sum"] >= 5
+    assert after["vllm:time_per_output_token_seconds_count"] - before["vllm:time_per_output_token_seconds_count"] == 4
+    assert after["anna:generation_tokens_total"] == after["vllm:generation_tokens_total"]
+
+
+def test_metrics_namespace_selects_the_prefixes(qwen2_dir, cache_dir):
+    from anna.runtime.engine import LLMEngine
+    from anna.server.metrics import EngineCollector, make_registry, render
+    from conftest import engine_settings
+
+    engine = LLMEngine(engine_settings(qwen2_dir, cache_dir), show_progress=False)
+    for namespace, wanted in (("anna", {"anna"}), ("vllm", {"vllm"}), ("both", {"anna", "vllm"})):
+        text = render(make_registry(EngineCollector(lambda: engine, "m", namespace))).decode()
+        names = {line.split()[2] for line in text.splitlines() if line.startswith("# TYPE")}
+        assert {name.split(":")[0] for name in names} == wanted, namespace
+        assert ("vllm:gpu_cache_usage_perc" in names) == ("vllm" in wanted)
 
 
 def test_debug_profile_is_404_unless_profiling(server):

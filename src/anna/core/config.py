@@ -243,6 +243,10 @@ class ServeSettings:
     profile_runtime: bool | None = _setting(
         False, "Time every region of the forward pass (diagnosis only: it costs time, and turns off the fused "
                "CPU decode path); shown in the periodic stats line and at GET /debug/profile.")
+    metrics_namespace: str | None = _setting(
+        "both", "Metric name prefixes on /metrics: anna (anna:*), vllm (vLLM's vllm:* names, which its Grafana "
+                "dashboards and autoscalers query, with its older aliases gpu_cache_usage_perc and "
+                "time_per_output_token_seconds), or both.", choices=("both", "anna", "vllm"))
     log_stats_interval: float | None = _setting(
         10.0, "Seconds between the periodic engine stats log lines while serving; 0 = off.")
 
@@ -270,7 +274,7 @@ SECTION_FIELDS: dict[str, tuple[str, ...]] = {
             "int4_matmul", "int4_gemv_m_threshold"),
     "server": ("host", "port", "api_key", "allowed_origins", "max_n", "max_request_bytes", "header_read_timeout",
                "body_read_timeout", "shutdown_timeout", "prompt_workers", "tokenize_workers", "text_queue_limit",
-               "tool_call_parser", "reasoning_parser", "log_level", "log_stats_interval"),
+               "tool_call_parser", "reasoning_parser", "log_level", "metrics_namespace", "log_stats_interval"),
 }
 
 

@@ -185,6 +185,7 @@ class LLMEngine:
             self._fail_unattributed(batch.requests, exc, touched)
             return self._outputs(touched)
         self.stats.steps.record(batch.step_class, time.perf_counter() - start)
+        self.stats.iteration_tokens.observe(batch.total_tokens)
         if self.profiler is not None:
             self.profiler.step_finished(start)
         for req in batch.requests:
@@ -277,6 +278,8 @@ class LLMEngine:
             if group.finished:
                 finished_any = True
                 self.outputs.forget(group)
+                if group.error is None and all(s.req.finish_reason in ("stop", "length") for s in group.seqs):
+                    self.stats.request_max_generation_tokens.observe(max(s.req.num_output_tokens for s in group.seqs))
         if finished_any and not self.scheduler.has_work():
             self.memory.maybe_release(idle=True, periodic=False)
         return outputs

@@ -13,6 +13,9 @@ log = logging.getLogger(__name__)
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                    20.0, 40.0, 80.0, 160.0)
+# token counts (prompt, generation: 1, 2, 5, 10, ... as vLLM builds them) and tokens per engine step
+TOKEN_BUCKETS = tuple(m * 10 ** e for e in range(7) for m in (1, 2, 5))
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 SPIKE_FACTOR = 3.0  # a step longer than this times its class's rolling mean is a spike
 EWMA_ALPHA = 0.1
 SPIKE_WARMUP_STEPS = 8  # steps of a class seen before spikes are judged
@@ -31,7 +34,7 @@ class StepClass(enum.Enum):
 class Histogram:
     """Cumulative-bucket histogram in Prometheus' sense (buckets are upper bounds, in seconds)."""
 
-    buckets: tuple[float, ...] = LATENCY_BUCKETS
+    buckets: tuple[float, ...] = LATENCY_BUCKETS  # (seconds, or tokens for the token histograms)
     counts: list[int] = field(default_factory=list)
     total: float = 0.0
     count: int = 0
@@ -130,3 +133,9 @@ class EngineStats:
     queue: Histogram = field(default_factory=Histogram)
     prefill: Histogram = field(default_factory=Histogram)
     decode: Histogram = field(default_factory=Histogram)
+    # per finished sequence: its prompt and generated tokens; per finished request: the most tokens
+    # one of its samples generated; per step: the tokens it computed
+    request_prompt_tokens: Histogram = field(default_factory=lambda: Histogram(TOKEN_BUCKETS))
+    request_generation_tokens: Histogram = field(default_factory=lambda: Histogram(TOKEN_BUCKETS))
+    request_max_generation_tokens: Histogram = field(default_factory=lambda: Histogram(TOKEN_BUCKETS))
+    iteration_tokens: Histogram = field(default_factory=lambda: Histogram(ITERATION_TOKEN_BUCKETS))

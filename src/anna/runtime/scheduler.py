@@ -358,4 +358,6 @@ class Scheduler:
             stats.e2e.observe(now - req.arrival_time)
             if req.first_token_time is not None:
                 stats.decode.observe(now - req.first_token_time)
+            stats.request_prompt_tokens.observe(req.num_prompt_tokens)
+            stats.request_generation_tokens.observe(req.num_output_tokens)
         self.remove(req)

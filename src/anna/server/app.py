@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 def create_app(settings: ResolvedSettings, *, load_in_background: bool = True) -> FastAPI:
     state = ServerState(settings=settings, model_names=served_names(settings))
     registry = make_registry(EngineCollector(lambda: state.engine.engine if state.engine else None,
-                                             state.model_name))
+                                             state.model_name, settings.metrics_namespace))
 
     def engine_dead(exc: BaseException) -> None:
         if state.on_engine_dead is not None:
