@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 from fastapi import Request
@@ -36,9 +37,23 @@ async def chat_prompt_ids(pool: TextPool, engine: LLMEngine, req: Any, tools: li
     return await pool.run(work)
 
 
-async def serve_chat(state: ServerState, request: Request) -> Response:
-    """POST /v1/chat/completions."""
-    req: ChatCompletionRequest = await parse_body(request, ChatCompletionRequest)
+@dataclass
+class ChatRun:
+    """A chat request checked and started: what its response needs."""
+
+    gen: AsyncIterator[RequestOutput]
+    rid: str
+    ids: list[int]  # the prompt's tokens
+    tools: list[dict[str, Any]] | None  # the tools calls are parsed against (None: no tool calls)
+    prompt_reasoning: str  # what the rendered prompt leaves of a reasoning block
+    params: Any  # SamplingParams
+    top: int | None  # logprobs: alternatives per token, or None
+
+
+async def start_chat(state: ServerState, req: ChatCompletionRequest, rid_prefix: str = "chatcmpl") -> ChatRun:
+    """Check a chat request (tools and tool_choice, constraints, lengths), render and tokenize
+    its prompt, and hand it to the engine; the shared path of /v1/chat/completions and the other
+    chat-shaped APIs."""
     check_model(state, req.model)
     engine = state.core
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
@@ -69,11 +84,21 @@ async def serve_chat(state: ServerState, request: Request) -> Response:
     params = build_sampling_params(state, req, len(ids), req.max_completion_tokens or req.max_tokens, top, spec,
                                    req.prompt_logprobs)
     await compile_constraint(state.prompt_pool, engine, spec, spec_field)
-    rid = f"chatcmpl-{uuid.uuid4().hex}"
+    rid = f"{rid_prefix}-{uuid.uuid4().hex}"
     gen = await start_request(state, rid, ids, params)
+    return ChatRun(gen, rid, ids, tools, reasoning, params, top)
+
+
+async def serve_chat(state: ServerState, request: Request) -> Response:
+    """POST /v1/chat/completions."""
+    req: ChatCompletionRequest = await parse_body(request, ChatCompletionRequest)
+    run = await start_chat(state, req)
+    engine = state.core
+    gen, rid, ids, tools, prompt_reasoning, params, top = (run.gen, run.rid, run.ids, run.tools, run.prompt_reasoning,
+                                                           run.params, run.top)
     base = {"id": rid, "created": int(time.time()), "model": state.model_name}
     if req.stream:
-        return StreamingResponse(chat_stream(state, gen, base, params.n, len(ids), tools, reasoning, top or 0,
+        return StreamingResponse(chat_stream(state, gen, base, params.n, len(ids), tools, prompt_reasoning, top or 0,
                                              *stream_usage(req.stream_options)),
                                  media_type="text/event-stream")
     out = await run_until_done(request, final_output(gen))
@@ -81,7 +106,7 @@ async def serve_chat(state: ServerState, request: Request) -> Response:
         return Response(status_code=499)
     choices = []
     for o in out.outputs:
-        parser = ChoiceParser(state, tools, prompt_reasoning=reasoning)
+        parser = ChoiceParser(state, tools, prompt_reasoning=prompt_reasoning)
         reasoning, content, _ = parser.feed(o.text, final=True)
         message: dict[str, Any] = {"role": "assistant", "content": content if content or not parser.calls else None}
         if parser.reasoning is not None:
