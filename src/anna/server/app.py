@@ -25,6 +25,7 @@ from anna.server.protocol import (APIError, ChatCompletionRequest, CompletionReq
                                   TokenizeRequest, error_response)
 from anna.server.serving_chat import serve_chat
 from anna.server.serving_completions import serve_completions
+from anna.server.serving_messages import MessagesRequest, serve_count_tokens, serve_messages
 from anna.server.serving_tokens import serve_detokenize, serve_model, serve_models, serve_tokenize
 
 log = logging.getLogger(__name__)
@@ -142,6 +143,15 @@ def create_app(settings: ResolvedSettings, *, load_in_background: bool = True) -
     async def completions(request: Request) -> Response:
         return await serve_completions(state, request)
 
+    @app.post("/v1/messages")
+    async def messages(request: Request) -> Response:
+        return await serve_messages(state, request)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request) -> Response:
+        return await serve_count_tokens(state, request)
+
     document_request_bodies(app, {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest,
+                                  "/v1/messages": MessagesRequest,
                                   "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest})
     return app
