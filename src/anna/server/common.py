@@ -72,6 +72,11 @@ async def parse_body(request: Request, model: type[BaseModel]) -> Any:
     body = parse_json_body(await request.body())
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
+    return validate_body(model, body)
+
+
+def validate_body(model: type[BaseModel], body: dict[str, Any]) -> Any:
+    """``body`` as ``model``, or a 400 naming the first field that is wrong."""
     try:
         return model.model_validate(body)
     except ValidationError as exc:

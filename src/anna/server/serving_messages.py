@@ -12,11 +12,10 @@ from typing import Any, AsyncIterator, Literal
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from anna.server.common import (ChoiceParser, ServerState, as_api_error, check_model, final_output, parse_body,
-                                run_until_done)
-from anna.server.json_body import parse_json_body
+                                run_until_done, validate_body)
 from anna.server.protocol import APIError, ChatCompletionRequest
 from anna.server.serving_chat import ChatRun, chat_prompt_ids, start_chat
 
@@ -131,11 +130,7 @@ def to_chat_request(req: MessagesRequest | CountTokensRequest, **sampling: Any) 
         body["tool_choice"] = mapped
         if choice.get("disable_parallel_tool_use"):
             body["parallel_tool_calls"] = False
-    try:
-        return ChatCompletionRequest.model_validate(body)
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        raise APIError(400, f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}") from None
+    return validate_body(ChatCompletionRequest, body)
 
 
 async def serve_messages(state: ServerState, request: Request) -> Response:
@@ -259,14 +254,7 @@ async def message_events(state: ServerState, run: ChatRun) -> AsyncIterator[str]
 async def serve_count_tokens(state: ServerState, request: Request) -> Response:
     """POST /v1/messages/count_tokens: the prompt's tokens as the chat template renders it."""
     try:
-        body = parse_json_body(await request.body())
-        if not isinstance(body, dict):
-            raise APIError(400, "the request body must be a JSON object")
-        try:
-            req = CountTokensRequest.model_validate(body)
-        except ValidationError as exc:
-            err = exc.errors()[0]
-            raise APIError(400, f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}") from None
+        req: CountTokensRequest = await parse_body(request, CountTokensRequest)
         check_model(state, req.model)
         chat = to_chat_request(req, max_tokens=1)
         tools = [t.model_dump(exclude_none=True) for t in chat.tools] if chat.tools else None
