@@ -26,6 +26,7 @@ from anna.server.protocol import (APIError, ChatCompletionRequest, CompletionReq
 from anna.server.serving_chat import serve_chat
 from anna.server.serving_completions import serve_completions
 from anna.server.serving_messages import MessagesRequest, serve_count_tokens, serve_messages
+from anna.server.serving_responses import ResponsesRequest, serve_responses
 from anna.server.serving_tokens import serve_detokenize, serve_model, serve_models, serve_tokenize
 
 log = logging.getLogger(__name__)
@@ -143,6 +144,10 @@ def create_app(settings: ResolvedSettings, *, load_in_background: bool = True) -
     async def completions(request: Request) -> Response:
         return await serve_completions(state, request)
 
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        return await serve_responses(state, request)
+
     @app.post("/v1/messages")
     async def messages(request: Request) -> Response:
         return await serve_messages(state, request)
@@ -152,6 +157,6 @@ def create_app(settings: ResolvedSettings, *, load_in_background: bool = True) -
         return await serve_count_tokens(state, request)
 
     document_request_bodies(app, {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest,
-                                  "/v1/messages": MessagesRequest,
+                                  "/v1/messages": MessagesRequest, "/v1/responses": ResponsesRequest,
                                   "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest})
     return app
