@@ -218,7 +218,7 @@ class LLMEngine:
         if req.request_id in result.prompt_logprobs:
             first, entries = result.prompt_logprobs[req.request_id]
             for pos, (chosen, top, rank) in enumerate(entries, first):
-                req.prompt_logprobs[pos] = logprob_entry(req.prompt_token_ids[pos], chosen, top, rank)
+                req.prompt_logprobs[pos] = self._decoded(logprob_entry(req.prompt_token_ids[pos], chosen, top, rank))
         if req.request_id not in result.sampled:
             return
         first_token = req.num_output_tokens == (0 if tokens else 1)  # (a placeholder is appended)
@@ -236,9 +236,7 @@ class LLMEngine:
         req = state.req
         ended_by_token = self.scheduler.append_token(req, token, record)
         if logprobs is not None:  # shaped once per token, not on every output
-            entry = logprob_entry(token, *logprobs)
-            for token_id, lp in entry.items():
-                lp.decoded_token = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            entry = self._decoded(logprob_entry(token, *logprobs))
             req.output_logprobs.append(entry)
             req.cumulative_logprob += entry[token].logprob
         hit = self.outputs.add_token(state, token, ended_by_token)
@@ -246,6 +244,13 @@ class LLMEngine:
             self._finish(req, "stop", stop_reason=hit[1])
         elif req.is_finished:
             self.runner.forget(req.request_id)
+
+    def _decoded(self, entry: dict) -> dict:
+        """A logprob entry with each token's text (vLLM's decoded_token), decoded once here for the
+        library and the server alike."""
+        for token_id, lp in entry.items():
+            lp.decoded_token = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return entry
 
     def _sync_tokens(self, due: list[Request], touched: dict[str, RequestGroup]) -> None:
         """Read the pending tokens of these requests back in one copy, then check them in order as

@@ -13,18 +13,18 @@ def token_text(engine: LLMEngine, token_id: int) -> str:
     return engine.tokenizer.decode([token_id], skip_special_tokens=False)
 
 
-def chat_logprobs(engine: LLMEngine, out: CompletionOutput, start: int, end: int, top: int) -> dict[str, Any] | None:
+def chat_logprobs(out: CompletionOutput, start: int, end: int, top: int) -> dict[str, Any] | None:
     """``top``: the alternatives asked for (each entry also holds the chosen token, ranked, where it
     is not among them)."""
     if out.logprobs is None:
         return None
     content = []
     for token, entry in zip(out.token_ids[start:end], out.logprobs[start:end]):
-        text = token_text(engine, token)
+        text = entry[token].decoded_token
         content.append({"token": text, "logprob": entry[token].logprob, "bytes": list(text.encode()),
-                        "top_logprobs": [{"token": token_text(engine, t), "logprob": lp.logprob,
-                                          "bytes": list(token_text(engine, t).encode())}
-                                         for t, lp in entry.items() if lp.rank <= top]})
+                        "top_logprobs": [{"token": lp.decoded_token, "logprob": lp.logprob,
+                                          "bytes": list(lp.decoded_token.encode())}
+                                         for lp in entry.values() if lp.rank <= top]})
     return {"content": content}
 
 
@@ -41,11 +41,11 @@ def legacy_logprobs(engine: LLMEngine, token_ids: list[int], entries: list[dict[
     prompt token) has none."""
     tokens, token_lps, tops, offsets = [], [], [], []
     for token, entry in zip(token_ids, entries):
-        text = token_text(engine, token)
+        text = token_text(engine, token) if entry is None else entry[token].decoded_token
         tokens.append(text)
         token_lps.append(None if entry is None else entry[token].logprob)
         tops.append(None if entry is None else
-                    {token_text(engine, t): lp.logprob for t, lp in entry.items() if lp.rank <= top})
+                    {lp.decoded_token: lp.logprob for lp in entry.values() if lp.rank <= top})
         offsets.append(text_offset)
         text_offset += len(text)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
@@ -60,8 +60,8 @@ def echoed_logprobs(engine: LLMEngine, out: RequestOutput, generated: dict[str, 
     return {key: prompt[key] + generated[key] for key in prompt}
 
 
-def vllm_prompt_logprobs(engine: LLMEngine, out: RequestOutput) -> list[dict[str, Any] | None]:
+def vllm_prompt_logprobs(out: RequestOutput) -> list[dict[str, Any] | None]:
     """vLLM's prompt_logprobs field: per prompt token, {token id: {logprob, rank, decoded_token}}."""
     return [None if entry is None else
-            {str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": token_text(engine, t)}
+            {str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
              for t, lp in entry.items()} for entry in out.prompt_logprobs or []]

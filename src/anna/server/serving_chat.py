@@ -89,44 +89,48 @@ async def start_chat(state: ServerState, req: ChatCompletionRequest, rid_prefix:
     return ChatRun(gen, rid, ids, tools, reasoning, params, top)
 
 
+def parse_choice(state: ServerState, run: ChatRun, text: str) -> tuple[ChoiceParser, str, str]:
+    """A finished choice's text split into (its parser, which holds the tool calls), reasoning and
+    content: what every chat-shaped API answers from."""
+    parser = ChoiceParser(state, run.tools, prompt_reasoning=run.prompt_reasoning)
+    reasoning, content, _ = parser.feed(text, final=True)
+    return parser, reasoning, content
+
+
 async def serve_chat(state: ServerState, request: Request) -> Response:
     """POST /v1/chat/completions."""
     req: ChatCompletionRequest = await parse_body(request, ChatCompletionRequest)
     run = await start_chat(state, req)
-    engine = state.core
-    gen, rid, ids, tools, prompt_reasoning, params, top = (run.gen, run.rid, run.ids, run.tools, run.prompt_reasoning,
-                                                           run.params, run.top)
-    base = {"id": rid, "created": int(time.time()), "model": state.model_name}
+    base = {"id": run.rid, "created": int(time.time()), "model": state.model_name}
     if req.stream:
-        return StreamingResponse(chat_stream(state, gen, base, params.n, len(ids), tools, prompt_reasoning, top or 0,
+        return StreamingResponse(chat_stream(state, run.gen, base, run.params.n, len(run.ids), run.tools,
+                                             run.prompt_reasoning, run.top or 0,
                                              *stream_usage(req.stream_options)),
                                  media_type="text/event-stream")
-    out = await run_until_done(request, final_output(gen))
+    out = await run_until_done(request, final_output(run.gen))
     if out is None:
         return Response(status_code=499)
     choices = []
     for o in out.outputs:
-        parser = ChoiceParser(state, tools, prompt_reasoning=prompt_reasoning)
-        reasoning, content, _ = parser.feed(o.text, final=True)
+        parser, reasoning, content = parse_choice(state, run, o.text)
         message: dict[str, Any] = {"role": "assistant", "content": content if content or not parser.calls else None}
         if parser.reasoning is not None:
             message["reasoning_content"] = reasoning or None
         if parser.calls:
             message["tool_calls"] = [c.to_openai() for c in parser.calls]
         choices.append({"index": o.index, "message": message, "finish_reason": finish_reason(o, parser),
-                        "logprobs": chat_logprobs(engine, o, 0, len(o.token_ids), top or 0),
+                        "logprobs": chat_logprobs(o, 0, len(o.token_ids), run.top or 0),
                         "stop_reason": o.stop_reason})
         if req.prompt_logprobs is not None:
-            choices[-1]["prompt_logprobs"] = vllm_prompt_logprobs(engine, out)
+            choices[-1]["prompt_logprobs"] = vllm_prompt_logprobs(out)
     completion = sum(len(o.token_ids) for o in out.outputs)
     return JSONResponse({**base, "object": "chat.completion", "choices": choices,
-                         "usage": usage(len(ids), completion, out.num_cached_tokens)})
+                         "usage": usage(len(run.ids), completion, out.num_cached_tokens)})
 
 
 async def chat_stream(state: ServerState, gen: AsyncIterator[RequestOutput], base: dict[str, Any], n: int,
                       num_prompt: int, tools: list[dict[str, Any]] | None, reasoning: str, top: int,
                       include_usage: bool, continuous_usage: bool) -> AsyncIterator[str]:
-    engine = state.core
     chunk = {**base, "object": "chat.completion.chunk"}
     sent_tokens = [0] * n
 
@@ -153,7 +157,7 @@ async def chat_stream(state: ServerState, gen: AsyncIterator[RequestOutput], bas
                 delta_text = o.text[sent_text[i]:]
                 sent_text[i] = len(o.text)
                 reasoning, content, calls = parsers[i].feed(delta_text, final)
-                logprobs = chat_logprobs(engine, o, sent_tokens[i], len(o.token_ids), top)
+                logprobs = chat_logprobs(o, sent_tokens[i], len(o.token_ids), top)
                 sent_tokens[i] = len(o.token_ids)
                 delta: dict[str, Any] = {}
                 if reasoning:

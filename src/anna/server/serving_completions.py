@@ -76,7 +76,7 @@ async def serve_completions(state: ServerState, request: Request) -> Response:
                             "finish_reason": "length" if scoring else finish_reason(o, None),
                             "stop_reason": None if scoring else o.stop_reason})
             if req.prompt_logprobs is not None:
-                choices[-1]["prompt_logprobs"] = vllm_prompt_logprobs(engine, out)
+                choices[-1]["prompt_logprobs"] = vllm_prompt_logprobs(out)
     return JSONResponse({**base, "object": "text_completion", "choices": choices,
                          "usage": usage(prompt_tokens, completion_tokens, cached)})
 
@@ -148,7 +148,7 @@ async def completion_stream(state: ServerState, gens: list[AsyncIterator[Request
                     choice = {"index": i * n + o.index, "text": delta, "logprobs": lp,
                               "finish_reason": finish_reason(o, None)}
                     if first and send_prompt_logprobs:
-                        choice["prompt_logprobs"] = vllm_prompt_logprobs(engine, item)
+                        choice["prompt_logprobs"] = vllm_prompt_logprobs(item)
                     data = {**chunk, "choices": [choice]}
                     if continuous_usage:  # this choice's prompt and tokens so far
                         data["usage"] = usage(len(encoded[i][1]), len(o.token_ids), item.num_cached_tokens)

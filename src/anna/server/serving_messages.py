@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from anna.server.common import (ChoiceParser, ServerState, as_api_error, check_model, final_output, parse_body,
                                 run_until_done, validate_body)
 from anna.server.protocol import APIError, ChatCompletionRequest
-from anna.server.serving_chat import ChatRun, chat_prompt_ids, start_chat
+from anna.server.serving_chat import ChatRun, chat_prompt_ids, parse_choice, start_chat
 
 
 class _Block(BaseModel):
@@ -150,8 +150,7 @@ async def serve_messages(state: ServerState, request: Request) -> Response:
     if out is None:
         return Response(status_code=499)
     o = out.outputs[0]
-    parser = ChoiceParser(state, run.tools, prompt_reasoning=run.prompt_reasoning)
-    reasoning, content, _ = parser.feed(o.text, final=True)
+    parser, reasoning, content = parse_choice(state, run, o.text)
     blocks: list[dict[str, Any]] = []
     if reasoning:
         blocks.append({"type": "thinking", "thinking": reasoning, "signature": ""})

@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from anna.server.common import ChoiceParser, ServerState, as_api_error, final_output, parse_body, run_until_done, \
     sse, validate_body
 from anna.server.protocol import APIError, ChatCompletionRequest
-from anna.server.serving_chat import ChatRun, start_chat
+from anna.server.serving_chat import ChatRun, parse_choice, start_chat
 
 
 class ResponsesRequest(BaseModel):
@@ -127,8 +127,7 @@ async def serve_responses(state: ServerState, request: Request) -> Response:
     if out is None:
         return Response(status_code=499)
     o = out.outputs[0]
-    parser = ChoiceParser(state, run.tools, prompt_reasoning=run.prompt_reasoning)
-    reasoning, content, _ = parser.feed(o.text, final=True)
+    parser, reasoning, content = parse_choice(state, run, o.text)
     output = _output_items(run.rid, reasoning, content, parser.calls)
     return JSONResponse({**shell, **_ending(o), "output": output,
                          "usage": _usage(len(run.ids), len(o.token_ids), out.num_cached_tokens)})
