@@ -7,7 +7,8 @@ import json
 import pytest
 
 from anna.server.reasoning import ThinkReasoningParser
-from anna.server.tool_parsers import HermesToolParser, ToolCallStreamer, parse_tool_calls
+from anna.server.tool_parsers import (ForcedJsonToolParser, HermesToolParser, Llama3JsonToolParser,
+                                      MistralToolParser, ToolCallStreamer, parse_tool_calls)
 
 OUTPUTS = [
     # (model output, expected content, expected calls [(name, arguments dict)])
@@ -56,10 +57,10 @@ def test_tool_calls_split_at_every_position(text, content, expected):
     assert streamed == content
 
 
-def stream_calls(pieces: list[str]) -> tuple[str, dict[int, dict], int]:
+def stream_calls(pieces: list[str], parser=HermesToolParser) -> tuple[str, dict[int, dict], int]:
     """Feed pieces to a streamer as the server does; rebuild the calls the way an OpenAI client
     does (by index: id, name, then arguments appended). Returns content, calls, argument deltas."""
-    streamer = ToolCallStreamer(HermesToolParser())
+    streamer = ToolCallStreamer(parser())
     content, calls, arg_deltas = "", {}, 0
     for k, piece in enumerate(pieces):
         c, deltas = streamer.feed(piece, final=k == len(pieces) - 1)
@@ -93,6 +94,71 @@ def test_streamed_arguments_arrive_piece_by_piece():
     streamer = ToolCallStreamer(HermesToolParser())
     _, deltas = streamer.feed(text[:text.index("Paris")])
     assert deltas[0]["function"] == {"name": "get_weather", "arguments": ""}
+
+
+OTHER_FORMATS = [
+    # (parser, model output, expected content, expected calls)
+    (Llama3JsonToolParser, '{"name": "get_weather", "parameters": {"city": "Paris"}}', "",
+     [("get_weather", {"city": "Paris"})]),
+    (Llama3JsonToolParser, '<|python_tag|>{"name": "a", "parameters": {}}; {"name": "b", "parameters": {"x": [1, 2]}}',
+     "", [("a", {}), ("b", {"x": [1, 2]})]),
+    (Llama3JsonToolParser, '  {"answer": 42}', '  {"answer": 42}', []),  # JSON that is not a call is content
+    (Llama3JsonToolParser, 'It is {"name": "x", "parameters": {}}', 'It is {"name": "x", "parameters": {}}', []),
+    (MistralToolParser, '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}, "id": "a1b2c3d4e"}]',
+     "", [("get_weather", {"city": "Paris"})]),
+    (MistralToolParser, 'Sure.[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]note[ARGS]{"text": "hi"}',
+     "Sure.", [("get_weather", {"city": "Paris"}), ("note", {"text": "hi"})]),
+    (MistralToolParser, "No calls [TOOL but brackets [", "No calls [TOOL but brackets [", []),
+    (ForcedJsonToolParser, '[{"name": "get_weather", "parameters": {"city": "Paris"}}, {"name": "note", '
+                           '"parameters": {"text": "a \\"quoted\\" }"}}]', "",
+     [("get_weather", {"city": "Paris"}), ("note", {"text": 'a "quoted" }'})]),
+]
+
+
+@pytest.mark.parametrize("parser, text, content, expected", OTHER_FORMATS)
+def test_other_formats_whole_split_and_streamed(parser, text, content, expected):
+    """Llama 3 JSON, Mistral and the forced JSON form: the same calls whole, split anywhere and
+    streamed, whose streamed arguments add up to the whole ones."""
+    for cut in range(len(text) + 1):
+        p = parser()
+        c1, k1 = p.feed(text[:cut])
+        c2, k2 = p.feed(text[cut:])
+        c3, k3 = p.finish()
+        assert c1 + c2 + c3 == content, cut
+        assert [(c.name, json.loads(c.arguments)) for c in k1 + k2 + k3] == expected, cut
+    for pieces in [[text], list(text) + [""]]:
+        got_content, calls, _ = stream_calls(pieces, parser)
+        assert got_content == content
+        assert [(c["name"], json.loads(c["arguments"])) for _, c in sorted(calls.items())] == expected
+
+
+@pytest.mark.parametrize("parser, text, name, arguments", [
+    (HermesToolParser, 'Hi.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa', "get_weather",
+     '{"city": "Pa'),
+    (Llama3JsonToolParser, '{"name": "a", "parameters": {}}; {"name": "get_weather", "parameters": {"ci',
+     "get_weather", '{"ci'),
+    (MistralToolParser, '[TOOL_CALLS]get_weather[ARGS]{"city": ', "get_weather", '{"city":'),
+    (MistralToolParser, '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "P', "get_weather",
+     '{"city": "P'),
+    (ForcedJsonToolParser, '[{"name": "get_weather", "parameters": {"city": "Paris", "da', "get_weather",
+     '{"city": "Paris", "da'),
+])
+def test_a_call_cut_off_keeps_what_was_written_and_no_markup(parser, text, name, arguments):
+    """The output ended inside a call (max_tokens): the call as far as it was written, whole or
+    streamed, and no markup in the content."""
+    p = parser()
+    content, calls = p.feed(text)
+    rest, more = p.finish()
+    calls += more
+    assert content + rest in ("", "Hi.")
+    assert (calls[-1].name, calls[-1].arguments) == (name, arguments)
+    streamed_content, streamed, _ = stream_calls(list(text) + [""], parser)
+    assert streamed_content == content + rest
+    last = streamed[max(streamed)]
+    assert (last["name"], last["arguments"]) == (name, arguments)
+    p = parser()
+    p.feed(text[:text.index(name) + 3])  # the name itself cut off: nothing to return
+    assert p.finish()[0] in ("", "Hi.") and [c.name for c in p.calls if c.name == name] == []
 
 
 REASONING = [

@@ -87,8 +87,13 @@ def test_malformed_and_unterminated_calls():
     cut = CALL[:-len("</tool_call>")]  # max_tokens ended it after </function>: still a whole call
     content, calls = parse_tool_calls(cut, "qwen3_xml", TOOLS)
     assert content == "" and json.loads(calls[0].arguments) == ARGS
-    cut = CALL[:CALL.index("</function>")]  # cut inside: the text comes back as it was
-    assert parse_tool_calls(cut, "qwen3_xml", TOOLS) == (cut, [])
+    cut = CALL[:CALL.index("</function>")]  # cut inside: the call as far as it was written, no markup
+    content, calls = parse_tool_calls(cut, "qwen3_xml", TOOLS)
+    assert content == "" and calls[0].name == "get_weather" and json.loads(calls[0].arguments) == ARGS
+    cut = CALL[:CALL.index("\n3\n")]  # inside a parameter: the parameters written whole so far
+    content, calls = parse_tool_calls(cut, "qwen3_xml", TOOLS)
+    assert content == "" and json.loads(calls[0].arguments) == {"city": "São Paulo"}
+    assert parse_tool_calls("Hm. <tool_call>\n<func", "qwen3_xml", TOOLS) == ("Hm. ", [])  # no name yet
 
 
 def test_streamed_xml_calls_add_up_at_every_chunk_size():
@@ -145,13 +150,12 @@ def test_forced_call_grammar_takes_calls_that_follow_the_schemas(compiler):
 
 
 def test_server_forces_xml_calls_and_splits_opened_reasoning(hf_models, cache_dir, tmp_path):
-    """`anna serve` on a tiny Qwen3.5 with this template, --tool-call-parser qwen3_xml and
-    --reasoning-parser qwen3: a forced call comes back as tool_calls whose arguments follow the
+    """`anna serve` on a tiny Qwen3.5 with this template and no parser flags (auto reads qwen3_xml
+    and think from the template): a forced call comes back as tool_calls whose arguments follow the
     schema; a plain answer to a prompt that opened <think> is reasoning_content (the random model
     never closes it), and with thinking off it is content."""
     _, path = hf_models["qwen3_5"]
     proc, base = launch_server(path, cache_dir, tmp_path / "server.log", "--chat-template", str(TEMPLATE),
-                               "--tool-call-parser", "qwen3_xml", "--reasoning-parser", "qwen3",
                                "--num-gpu-blocks-override", "64")
     try:
         client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)

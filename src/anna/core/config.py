@@ -232,13 +232,17 @@ class ServeSettings:
     text_queue_limit: int | None = _setting(
         32, "Jobs that may wait for each of those thread pools; a request beyond that gets 503 (server busy).")
     tool_call_parser: str | None = _setting(
-        "hermes", "How tool calls are read from model output: hermes (JSON in <tool_call>, Qwen2.5/Qwen3), qwen3_xml "
-                  "or its alias qwen3_coder (<function=...><parameter=...> in <tool_call>, Qwen3.5/Qwen3-Coder).",
-        choices=("hermes", "qwen3_xml", "qwen3_coder", "none"))
+        "auto", "How tool calls are read from model output: hermes (JSON in <tool_call>, Qwen2.5/Qwen3), qwen3_xml "
+                "or its alias qwen3_coder (<function=...><parameter=...> in <tool_call>, Qwen3.5/Qwen3-Coder), "
+                "llama3_json (a JSON answer with name and parameters, Llama 3.1-3.3), mistral ([TOOL_CALLS]), none "
+                "(calls only when forced, in a plain JSON form); auto = the format the chat template writes, "
+                "none if it writes none.",
+        choices=("auto", "hermes", "qwen3_xml", "qwen3_coder", "llama3_json", "mistral", "none"))
     reasoning_parser: str | None = _setting(
-        "none", "Split <think>...</think> reasoning into reasoning_content (also when the chat template opens "
-                "<think> in the prompt, as Qwen3.5's does: the output then starts as reasoning).",
-        choices=("none", "think", "qwen3", "deepseek_r1"))
+        "auto", "Split <think>...</think> reasoning into reasoning_content (also when the chat template opens "
+                "<think> in the prompt, as Qwen3.5's does: the output then starts as reasoning); auto = think when "
+                "the chat template has <think>, else none.",
+        choices=("auto", "none", "think", "qwen3", "deepseek_r1"))
     log_level: str | None = _setting("info", "Logging level.", choices=("debug", "info", "warning", "error"))
     profile_runtime: bool | None = _setting(
         False, "Time every region of the forward pass (diagnosis only: it costs time, and turns off the fused "
@@ -314,6 +318,11 @@ class ResolvedSettings:
     def sections(self) -> SettingsSections:
         return SettingsSections(**{name: cls(**{f: getattr(self.values, f) for f in SECTION_FIELDS[name]})
                                    for name, cls in SECTION_CLASSES.items()})
+
+    def with_value(self, name: str, value: Any, source: str) -> "ResolvedSettings":
+        """The same settings with one value decided later (an ``auto`` resolved once the model's
+        files are read), and where it came from."""
+        return ResolvedSettings(dataclasses.replace(self.values, **{name: value}), {**self.sources, name: source})
 
     def table(self) -> str:
         """One line per setting: name, value, source. Logged at start."""

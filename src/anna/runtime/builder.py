@@ -36,7 +36,7 @@ from anna.runtime.scheduler import Scheduler, SchedulerConfig
 from anna.runtime.speculative.factory import build_speculative_decoder
 from anna.runtime.state_cache import StateCacheManager
 from anna.runtime.structured_output import StructuredOutputCompiler
-from anna.weights.chat_template import load_chat_template
+from anna.weights.chat_template import load_chat_template, template_reasoning_format, template_tool_format
 from anna.weights.demo_model import DEMO_NOTICE, ensure_demo_model
 from anna.weights.loader import Int4CacheOptions, load_model
 from anna.weights.tokenizer import Tokenizer
@@ -95,6 +95,7 @@ def build_engine_parts(s: ResolvedSettings, show_progress: bool = True) -> Engin
     if max_model_len > cfg.max_position_embeddings and cfg.rope_scaling is None:
         raise ValueError(f"max_model_len: {max_model_len} exceeds the model's max_position_embeddings "
                          f"({cfg.max_position_embeddings})")
+    s = _resolve_output_parsers(s, tokenizer.chat_template)
     log.info("Resolved settings:\n%s", s.table())
     sampling_defaults = _sampling_defaults(m.generation_config, model_dir)
     profiler = RuntimeProfiler(platform) if ex.profile_runtime else None
@@ -177,6 +178,15 @@ def build_engine_parts(s: ResolvedSettings, show_progress: bool = True) -> Engin
     return EngineParts(s, model_dir, is_demo, cfg, tokenizer, platform, dtype, act_dtype, max_model_len, profiler,
                        ops, executor_name, compile_mode, plan, kv, caches, prompt_cache, stats, scheduler, runner,
                        memory, inputs)
+
+
+def _resolve_output_parsers(s: ResolvedSettings, template: str | None) -> ResolvedSettings:
+    """tool_call_parser and reasoning_parser ``auto``: the formats the chat template uses."""
+    for name, detect in (("tool_call_parser", template_tool_format), ("reasoning_parser", template_reasoning_format)):
+        if getattr(s, name) == "auto":
+            choice, why = detect(template)
+            s = s.with_value(name, choice, f"{s.sources[name]}: auto, {why}")
+    return s
 
 
 def _sampling_defaults(where: str, model_dir: str) -> dict[str, Any]:

@@ -25,7 +25,7 @@ from anna.server.json_body import parse_json_body
 from anna.server.protocol import APIError, SamplingFields, StreamOptions
 from anna.server.reasoning import REASONING_PARSERS
 from anna.server.text_pool import TextPool
-from anna.server.tool_parsers import TOOL_PARSERS, ParsedToolCall, ToolCallStreamer
+from anna.server.tool_parsers import ParsedToolCall, ToolCallStreamer, ToolParser
 
 log = logging.getLogger(__name__)
 
@@ -220,15 +220,17 @@ def usage(prompt_tokens: int, completion_tokens: int, cached: int) -> dict[str, 
 class ChoiceParser:
     """Splits one choice's text into reasoning, content and tool calls, whole or incrementally."""
 
-    def __init__(self, state: ServerState, tools: list[dict[str, Any]] | None, stream: bool = False,
-                 prompt_reasoning: str = "none") -> None:
-        """``tools``: the request's (None: no tool calls are parsed); ``prompt_reasoning``: what the
-        prompt left of a reasoning block (reasoning.prompt_reasoning)."""
-        s = state.settings
-        self.reasoning = REASONING_PARSERS[s.reasoning_parser](prompt_reasoning) \
-            if s.reasoning_parser != "none" else None
-        self.tools = TOOL_PARSERS[s.tool_call_parser](tools) \
-            if tools is not None and s.tool_call_parser != "none" else None
+    def __init__(self, tool_parser: type[ToolParser] | None, tools: list[dict[str, Any]] | None,
+                 reasoning_parser: str, stream: bool = False, prompt_reasoning: str = "none",
+                 forced: bool = False) -> None:
+        """``tool_parser``: the format calls are read in (None: no tool calls are parsed);
+        ``tools``: the request's; ``prompt_reasoning``: what the prompt left of a reasoning block
+        (reasoning.prompt_reasoning); ``forced``: the output is calls (tool_choice required or a
+        named function), so that nothing but reasoning and calls comes of it, even cut off."""
+        self.forced = forced
+        self.reasoning = REASONING_PARSERS[reasoning_parser](prompt_reasoning) \
+            if reasoning_parser != "none" else None
+        self.tools = tool_parser(tools) if tool_parser is not None else None
         self.streamer = ToolCallStreamer(self.tools) if stream and self.tools is not None else None
 
     @property
@@ -251,7 +253,7 @@ class ChoiceParser:
             content, _ = self.tools.feed(content)
             if final:
                 content += self.tools.finish()[0]
-        return reasoning, content, deltas
+        return reasoning, "" if self.forced else content, deltas
 
 
 def finish_reason(out: CompletionOutput, parser: ChoiceParser | None) -> str | None:

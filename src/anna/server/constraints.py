@@ -9,14 +9,13 @@ Sources, in order: a forced tool call (``tool_choice: "required"`` or a named fu
 from __future__ import annotations
 
 import json
-from typing import Any
 
 from anna.core.sampling_params import StructuredOutputsParams
 from anna.runtime.engine import LLMEngine
 from anna.runtime.structured_output import json_schema_of
 from anna.server.protocol import APIError, SamplingFields
 from anna.server.text_pool import TextPool
-from anna.server.tool_parsers import TOOL_GRAMMAR_START, TOOL_PARSERS
+from anna.server.tool_parsers import TOOL_GRAMMAR_START
 
 GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
                  "guided_grammar": "grammar"}
@@ -50,14 +49,6 @@ def after_reasoning(spec: StructuredOutputsParams, prompt: str = "none") -> Stru
     if spec.grammar is not None and spec.grammar.startswith(TOOL_GRAMMAR_START):
         return StructuredOutputsParams(grammar=head + "answer" + spec.grammar[len("start"):])
     return spec
-
-
-def forced_tool_constraint(tools: list[dict[str, Any]], parallel: bool,
-                           parser: str) -> tuple[StructuredOutputsParams, str]:
-    if parser == "none":
-        raise APIError(400, "tool_choice: forcing a tool call needs a tool call parser (--tool-call-parser)",
-                       param="tool_choice")
-    return StructuredOutputsParams(grammar=TOOL_PARSERS[parser].grammar(tools, parallel)), "tool_choice"
 
 
 def request_constraint(req: SamplingFields) -> tuple[StructuredOutputsParams | None, str]:

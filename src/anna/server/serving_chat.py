@@ -17,11 +17,13 @@ from anna.server.chat import render_chat_request
 from anna.server.common import (ChoiceParser, ServerState, as_api_error, build_sampling_params, check_model,
                                 final_output, finish_reason, parse_body, run_until_done, sse, start_request,
                                 stream_usage, usage)
-from anna.server.constraints import after_reasoning, compile_constraint, forced_tool_constraint, request_constraint
+from anna.core.sampling_params import StructuredOutputsParams
+from anna.server.constraints import after_reasoning, compile_constraint, request_constraint
 from anna.server.logprobs import chat_logprobs, vllm_prompt_logprobs
 from anna.server.protocol import APIError, ChatCompletionRequest, NamedToolChoice
 from anna.server.reasoning import prompt_reasoning
 from anna.server.text_pool import TextPool
+from anna.server.tool_parsers import TOOL_PARSERS, ToolParser, forced_call_parser
 
 
 async def chat_prompt_ids(pool: TextPool, engine: LLMEngine, req: Any, tools: list[dict[str, Any]] | None,
@@ -45,9 +47,17 @@ class ChatRun:
     rid: str
     ids: list[int]  # the prompt's tokens
     tools: list[dict[str, Any]] | None  # the tools calls are parsed against (None: no tool calls)
+    tool_parser: type[ToolParser] | None  # the format calls are read in (None: no tool calls)
+    reasoning_parser: str  # the --reasoning-parser in effect
+    forced: bool  # tool_choice required or a named function: the output is calls
     prompt_reasoning: str  # what the rendered prompt leaves of a reasoning block
     params: Any  # SamplingParams
     top: int | None  # logprobs: alternatives per token, or None
+
+    def choice_parser(self, stream: bool = False) -> ChoiceParser:
+        """A parser for one of this request's choices."""
+        return ChoiceParser(self.tool_parser, self.tools, self.reasoning_parser, stream, self.prompt_reasoning,
+                            self.forced)
 
 
 async def start_chat(state: ServerState, req: ChatCompletionRequest, rid_prefix: str = "chatcmpl") -> ChatRun:
@@ -56,6 +66,7 @@ async def start_chat(state: ServerState, req: ChatCompletionRequest, rid_prefix:
     chat-shaped APIs."""
     check_model(state, req.model)
     engine = state.core
+    parsers = engine.settings  # with the parsers that auto chose from the chat template
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
     choice = req.tool_choice
     if isinstance(choice, NamedToolChoice):
@@ -69,16 +80,21 @@ async def start_chat(state: ServerState, req: ChatCompletionRequest, rid_prefix:
         raise APIError(400, "tool_choice: 'required' needs tools", param="tool_choice")
     if choice == "none":
         tools = None
-    if isinstance(choice, NamedToolChoice) or choice == "required":
+    tool_parser = TOOL_PARSERS.get(parsers.tool_call_parser) if tools else None
+    forced = isinstance(choice, NamedToolChoice) or choice == "required"
+    if forced:
         forced = tools if choice == "required" else [t for t in tools if t["function"]["name"] == name]
-        spec, spec_field = forced_tool_constraint(forced, req.parallel_tool_calls and choice == "required",
-                                                  state.settings.tool_call_parser)
+        tool_parser, grammar = forced_call_parser(parsers.tool_call_parser, forced,
+                                                  req.parallel_tool_calls and choice == "required")
+        spec, spec_field = StructuredOutputsParams(grammar=grammar), "tool_choice"
     else:
         spec, spec_field = request_constraint(req)
+    if tool_parser is not None and tool_parser.KEEPS_SPECIAL_TOKENS:  # its markers are special tokens
+        req = req.model_copy(update={"skip_special_tokens": False})
     if req.top_logprobs and not req.logprobs:
         raise APIError(400, "top_logprobs: needs logprobs set to true", param="top_logprobs")
     ids, reasoning = await chat_prompt_ids(state.prompt_pool, engine, req, tools, req.truncate_prompt_tokens)
-    if spec is not None and state.settings.reasoning_parser != "none":
+    if spec is not None and parsers.reasoning_parser != "none":
         spec = after_reasoning(spec, reasoning)
     top = (req.top_logprobs or 0) if req.logprobs else None
     params = build_sampling_params(state, req, len(ids), req.max_completion_tokens or req.max_tokens, top, spec,
@@ -86,13 +102,13 @@ async def start_chat(state: ServerState, req: ChatCompletionRequest, rid_prefix:
     await compile_constraint(state.prompt_pool, engine, spec, spec_field)
     rid = f"{rid_prefix}-{uuid.uuid4().hex}"
     gen = await start_request(state, rid, ids, params)
-    return ChatRun(gen, rid, ids, tools, reasoning, params, top)
+    return ChatRun(gen, rid, ids, tools, tool_parser, parsers.reasoning_parser, forced, reasoning, params, top)
 
 
 def parse_choice(state: ServerState, run: ChatRun, text: str) -> tuple[ChoiceParser, str, str]:
     """A finished choice's text split into (its parser, which holds the tool calls), reasoning and
     content: what every chat-shaped API answers from."""
-    parser = ChoiceParser(state, run.tools, prompt_reasoning=run.prompt_reasoning)
+    parser = run.choice_parser()
     reasoning, content, _ = parser.feed(text, final=True)
     return parser, reasoning, content
 
@@ -103,9 +119,7 @@ async def serve_chat(state: ServerState, request: Request) -> Response:
     run = await start_chat(state, req)
     base = {"id": run.rid, "created": int(time.time()), "model": state.model_name}
     if req.stream:
-        return StreamingResponse(chat_stream(state, run.gen, base, run.params.n, len(run.ids), run.tools,
-                                             run.prompt_reasoning, run.top or 0,
-                                             *stream_usage(req.stream_options)),
+        return StreamingResponse(chat_stream(run, base, *stream_usage(req.stream_options)),
                                  media_type="text/event-stream")
     out = await run_until_done(request, final_output(run.gen))
     if out is None:
@@ -128,9 +142,9 @@ async def serve_chat(state: ServerState, request: Request) -> Response:
                          "usage": usage(len(run.ids), completion, out.num_cached_tokens)})
 
 
-async def chat_stream(state: ServerState, gen: AsyncIterator[RequestOutput], base: dict[str, Any], n: int,
-                      num_prompt: int, tools: list[dict[str, Any]] | None, reasoning: str, top: int,
-                      include_usage: bool, continuous_usage: bool) -> AsyncIterator[str]:
+async def chat_stream(run: ChatRun, base: dict[str, Any], include_usage: bool,
+                      continuous_usage: bool) -> AsyncIterator[str]:
+    gen, n, num_prompt, top = run.gen, run.params.n, len(run.ids), run.top or 0
     chunk = {**base, "object": "chat.completion.chunk"}
     sent_tokens = [0] * n
 
@@ -140,7 +154,7 @@ async def chat_stream(state: ServerState, gen: AsyncIterator[RequestOutput], bas
             data["usage"] = usage(num_prompt, sent_tokens[index], last.num_cached_tokens if last else 0)
         return sse(data)
 
-    parsers = [ChoiceParser(state, tools, stream=True, prompt_reasoning=reasoning) for _ in range(n)]
+    parsers = [run.choice_parser(stream=True) for _ in range(n)]
     sent_text = [0] * n
     done = [False] * n
     last: RequestOutput | None = None

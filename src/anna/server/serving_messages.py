@@ -14,7 +14,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from anna.server.common import (ChoiceParser, ServerState, as_api_error, check_model, final_output, parse_body,
+from anna.server.common import (ServerState, as_api_error, check_model, final_output, parse_body,
                                 run_until_done, validate_body)
 from anna.server.protocol import APIError, ChatCompletionRequest
 from anna.server.serving_chat import ChatRun, chat_prompt_ids, parse_choice, start_chat
@@ -200,7 +200,7 @@ async def message_events(state: ServerState, run: ChatRun) -> AsyncIterator[str]
     yield _event("message_start", {"message": {
         "id": run.rid, "type": "message", "role": "assistant", "model": state.model_name, "content": [],
         "stop_reason": None, "stop_sequence": None, "usage": message_usage(len(run.ids), 0, 0)}})
-    parser = ChoiceParser(state, run.tools, prompt_reasoning=run.prompt_reasoning)
+    parser = run.choice_parser()
     index, open_kind, sent, emitted_calls = 0, None, 0, 0
     last = None
     try:

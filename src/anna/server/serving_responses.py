@@ -15,7 +15,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from anna.server.common import ChoiceParser, ServerState, as_api_error, final_output, parse_body, run_until_done, \
+from anna.server.common import ServerState, as_api_error, final_output, parse_body, run_until_done, \
     sse, validate_body
 from anna.server.protocol import APIError, ChatCompletionRequest
 from anna.server.serving_chat import ChatRun, parse_choice, start_chat
@@ -177,7 +177,7 @@ async def response_events(state: ServerState, run: ChatRun, shell: dict[str, Any
         return sse({"type": kind, "sequence_number": seq - 1, **data})
 
     yield event("response.created", response={**shell, "status": "in_progress", "output": []})
-    parser = ChoiceParser(state, run.tools, prompt_reasoning=run.prompt_reasoning)
+    parser = run.choice_parser()
     text, reasoning_text, sent, message_open, last = "", "", 0, False, None
     message_index = 0
     try:

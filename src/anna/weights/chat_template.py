@@ -55,9 +55,12 @@ def _compile(template: str) -> jinja2.Template:
 
 def load_chat_template(value: str) -> str:
     """A chat template given as a file path or inline (vLLM's --chat-template); checked to compile."""
-    path = Path(value).expanduser()
-    if path.is_file():
-        template = path.read_text(encoding="utf-8")
+    try:
+        is_file = Path(value).expanduser().is_file()
+    except OSError:  # an inline template longer than a file name may be
+        is_file = False
+    if is_file:
+        template = Path(value).expanduser().read_text(encoding="utf-8")
     elif "{{" in value or "{%" in value:
         template = value
     else:
@@ -98,3 +101,43 @@ def render_chat(template: str | None, messages: list[dict[str, Any]], *, add_gen
         raise ChatTemplateError(f"chat template tried an unsafe operation: {exc}") from None
     except (jinja2.TemplateError, TypeError, KeyError, IndexError, AttributeError, ValueError) as exc:
         raise ChatTemplateError(f"chat template failed on these messages: {exc}") from None
+
+
+# A conversation with one tool call, rendered to see how a template writes calls.
+_PROBE_TOOL = {"type": "function", "function": {"name": "probe_tool", "description": "d",
+                                                "parameters": {"type": "object",
+                                                               "properties": {"probe_arg": {"type": "string"}}}}}
+_PROBE_MESSAGES = [
+    {"role": "user", "content": "q"},
+    {"role": "assistant", "content": "", "tool_calls": [{"id": "call_probe0001", "type": "function", "function": {
+        "name": "probe_tool", "arguments": {"probe_arg": "v"}}}]},
+    {"role": "tool", "tool_call_id": "call_probe0001", "content": "r"},
+]
+
+
+def template_tool_format(template: str | None) -> tuple[str, str]:
+    """The tool-call format a chat template teaches its model (a --tool-call-parser name, or none),
+    and what showed it: a conversation with one call is rendered and the call's markup looked for,
+    then the template's own text (a template may render calls only for some message shapes)."""
+    try:
+        rendered = render_chat(template, _PROBE_MESSAGES, tools=[_PROBE_TOOL])
+    except ChatTemplateError:
+        rendered = ""
+    source = template or ""
+    for text, where in ((rendered, "a rendered call"), (source, "the template's text")):
+        if "<function=probe_tool>" in text or ("<function=" in text and "<parameter=" in text):
+            return "qwen3_xml", f"{where} has <tool_call><function=...><parameter=...>"
+        if "<tool_call>" in text:
+            return "hermes", f"{where} has <tool_call>{{json}}"
+        if "[TOOL_CALLS]" in text:
+            return "mistral", f"{where} has [TOOL_CALLS]"
+        if "<|python_tag|>" in text or ('"name": "probe_tool"' in text and '"parameters"' in text):
+            return "llama3_json", f'{where} has {{"name": ..., "parameters": ...}} (Llama 3)'
+    return "none", "the chat template shows no tool-call format"
+
+
+def template_reasoning_format(template: str | None) -> tuple[str, str]:
+    """The reasoning parser a chat template calls for (think, or none), and why."""
+    if template and "<think>" in template:
+        return "think", "the chat template has <think>"
+    return "none", "the chat template has no <think>"
