@@ -65,9 +65,57 @@ def test_text_format_json_schema_and_refusals(client):
                                 text={"format": {"type": "json_schema", "name": "answer", "schema": schema}})
     if r.status == "completed":
         assert isinstance(json.loads(r.output_text)["ok"], bool)
-    with pytest.raises(openai.BadRequestError) as err:
+    with pytest.raises(openai.NotFoundError) as err:
         client.responses.create(model=SERVER_MODEL, input="x", previous_response_id="resp_123")
     assert err.value.body["param"] == "previous_response_id"
+    assert err.value.body["code"] == "previous_response_not_found"
     with pytest.raises(openai.BadRequestError):
         client.responses.create(model=SERVER_MODEL, input=[{"role": "user", "content": [
             {"type": "input_image", "image_url": "https://example.com/a.png"}]}])
+
+
+def test_previous_response_id_continues_the_stored_conversation(client):
+    """A response continued by previous_response_id answers exactly what the whole conversation
+    sent at once answers (greedy: the same text and the same prompt length); the store serves
+    the response back, lists its input items, and forgets it on DELETE; store=false keeps none."""
+    kw = dict(model=SERVER_MODEL, temperature=0, max_output_tokens=8)
+    first = client.responses.create(**kw, instructions="Be brief.", input="Name a colour.")
+    second = client.responses.create(**kw, instructions="Be brief.", input="And another?",
+                                     previous_response_id=first.id)
+    whole = client.responses.create(**kw, instructions="Be brief.", input=[
+        {"role": "user", "content": "Name a colour."},
+        {"role": "assistant", "content": [{"type": "output_text", "text": first.output_text}]},
+        {"role": "user", "content": "And another?"}])
+    assert second.previous_response_id == first.id
+    assert second.usage.input_tokens == whole.usage.input_tokens > first.usage.input_tokens
+    assert second.output_text == whole.output_text
+    streamed = list(client.responses.create(**kw, input="And a third?", previous_response_id=second.id, stream=True))
+    third = streamed[-1].response
+    assert third.usage.input_tokens > second.usage.input_tokens
+    assert client.responses.retrieve(third.id).output_text == third.output_text  # the stream stored it too
+    got = client.responses.retrieve(second.id)
+    assert got.id == second.id and got.output_text == second.output_text
+    items = client.responses.input_items.list(second.id).data
+    assert [i.type for i in items] == ["message"] * 3  # newest first: this turn's input, then the first turn
+    assert items[0].content[0].text == "And another?" and items[2].content[0].text == "Name a colour."
+    client.responses.delete(second.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(second.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.create(**kw, input="x", previous_response_id=second.id)
+    unstored = client.responses.create(**kw, input="Forget me", store=False)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unstored.id)
+
+
+def test_the_store_keeps_only_the_newest():
+    from anna.server.response_store import ResponseStore, StoredResponse
+
+    store = ResponseStore(2)
+    for i in range(3):
+        store.put(StoredResponse({"id": f"r{i}"}, [{"role": "user", "content": str(i)}], [{"type": "message"}]))
+    assert store.get("r0") is None and store.get("r1") and store.get("r2")
+    assert store.get("r2").conversation == [{"role": "user", "content": "2"}, {"type": "message"}]
+    empty = ResponseStore(0)
+    empty.put(StoredResponse({"id": "x"}, [], []))
+    assert empty.get("x") is None

@@ -231,6 +231,10 @@ class ServeSettings:
         minimum=1)
     text_queue_limit: int | None = _setting(
         32, "Jobs that may wait for each of those thread pools; a request beyond that gets 503 (server busy).")
+    responses_store_size: int | None = _setting(
+        256, "Responses (POST /v1/responses) kept in memory, the newest, so that a request may continue one by "
+             "previous_response_id and GET /v1/responses/{id} may read it back; 0 = none kept (every request then "
+             "carries its whole conversation). A request with store false is not kept.")
     tool_call_parser: str | None = _setting(
         "auto", "How tool calls are read from model output: hermes (JSON in <tool_call>, Qwen2.5/Qwen3), qwen3_xml "
                 "or its alias qwen3_coder (<function=...><parameter=...> in <tool_call>, Qwen3.5/Qwen3-Coder), "
@@ -278,7 +282,8 @@ SECTION_FIELDS: dict[str, tuple[str, ...]] = {
             "int4_matmul", "int4_gemv_m_threshold"),
     "server": ("host", "port", "api_key", "allowed_origins", "max_n", "max_request_bytes", "header_read_timeout",
                "body_read_timeout", "shutdown_timeout", "prompt_workers", "tokenize_workers", "text_queue_limit",
-               "tool_call_parser", "reasoning_parser", "log_level", "metrics_namespace", "log_stats_interval"),
+               "responses_store_size", "tool_call_parser", "reasoning_parser", "log_level", "metrics_namespace",
+               "log_stats_interval"),
 }
 
 

@@ -26,7 +26,7 @@ from anna.server.protocol import (APIError, ChatCompletionRequest, CompletionReq
 from anna.server.serving_chat import serve_chat
 from anna.server.serving_completions import serve_completions
 from anna.server.serving_messages import MessagesRequest, serve_count_tokens, serve_messages
-from anna.server.serving_responses import ResponsesRequest, serve_responses
+from anna.server.serving_responses import ResponsesRequest, serve_input_items, serve_responses, serve_stored_response
 from anna.server.serving_tokens import serve_detokenize, serve_model, serve_models, serve_tokenize
 
 log = logging.getLogger(__name__)
@@ -147,6 +147,18 @@ def create_app(settings: ResolvedSettings, *, load_in_background: bool = True) -
     @app.post("/v1/responses")
     async def responses(request: Request) -> Response:
         return await serve_responses(state, request)
+
+    @app.get("/v1/responses/{response_id}")
+    async def stored_response(response_id: str) -> Response:
+        return serve_stored_response(state, response_id)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str) -> Response:
+        return serve_stored_response(state, response_id, delete=True)
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def response_input_items(response_id: str) -> Response:
+        return serve_input_items(state, response_id)
 
     @app.post("/v1/messages")
     async def messages(request: Request) -> Response:

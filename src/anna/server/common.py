@@ -24,6 +24,7 @@ from anna.server.async_engine import AsyncEngine
 from anna.server.json_body import parse_json_body
 from anna.server.protocol import APIError, SamplingFields, StreamOptions
 from anna.server.reasoning import REASONING_PARSERS
+from anna.server.response_store import ResponseStore
 from anna.server.text_pool import TextPool
 from anna.server.tool_parsers import ParsedToolCall, ToolCallStreamer, ToolParser
 
@@ -43,11 +44,13 @@ class ServerState:
     draining: bool = False  # shutting down: requests in flight finish, new ones get 503
     prompt_pool: TextPool = field(init=False)  # chat templates, prompt tokenization, grammars of generation requests
     tokenize_pool: TextPool = field(init=False)  # /tokenize and /detokenize
+    responses: ResponseStore = field(init=False)  # what previous_response_id and GET /v1/responses/{id} read
 
     def __post_init__(self) -> None:
         s = self.settings
         self.prompt_pool = TextPool("prompt", s.prompt_workers, s.text_queue_limit)
         self.tokenize_pool = TextPool("tokenize", s.tokenize_workers, s.text_queue_limit)
+        self.responses = ResponseStore(s.responses_store_size)
 
     @property
     def model_name(self) -> str:

@@ -1,15 +1,16 @@
-"""POST /v1/responses, OpenAI's Responses API, stateless (no stored responses: every request
-carries its whole input), on the same path as chat: ``instructions`` and the input items (messages
-with input_text parts, function_call and function_call_output items) become a chat request, with
-the tools (flat function definitions), tool_choice, ``text.format`` (json_schema / json_object)
-and sampling fields; the answer is output items (reasoning, a message with output_text, function
-calls), whole or as the Responses event stream."""
+"""POST /v1/responses, OpenAI's Responses API, on the same path as chat: ``instructions`` and the
+input items (messages with input_text parts, function_call and function_call_output items), after
+those of the response ``previous_response_id`` names, become a chat request, with the tools (flat
+function definitions), tool_choice, ``text.format`` (json_schema / json_object) and sampling
+fields; the answer is output items (reasoning, a message with output_text, function calls), whole
+or as the Responses event stream. Responses are kept (unless ``store`` is false) in a bounded
+in-memory store (response_store.py), which GET and DELETE /v1/responses/{id} read."""
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -18,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from anna.server.common import ServerState, as_api_error, final_output, parse_body, run_until_done, \
     sse, validate_body
 from anna.server.protocol import APIError, ChatCompletionRequest
+from anna.server.response_store import StoredResponse
 from anna.server.serving_chat import ChatRun, parse_choice, start_chat
 
 
@@ -52,17 +54,31 @@ def _part_text(content: Any, where: str) -> str:
     return "".join(parts)
 
 
-def to_chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
+def request_items(state: ServerState, req: ResponsesRequest) -> tuple[list[dict[str, Any]], int]:
+    """The conversation this request continues (the items of the response previous_response_id
+    names) followed by its own input items; and how many of them came before its own."""
+    history: list[dict[str, Any]] = []
     if req.previous_response_id is not None:
-        raise APIError(400, "previous_response_id: Anna stores no responses; send the whole conversation as input",
-                       param="previous_response_id")
+        stored = state.responses.get(req.previous_response_id)
+        if stored is None:
+            kept = (f"the newest {state.responses.capacity} responses are kept (--responses-store-size)"
+                    if state.responses.capacity else "responses are not kept (--responses-store-size 0)")
+            raise APIError(404, f"previous_response_id: no response {req.previous_response_id!r} is stored; {kept}",
+                           param="previous_response_id", code="previous_response_not_found")
+        history = stored.conversation
+    own = [{"type": "message", "role": "user", "content": req.input}] if isinstance(req.input, str) else req.input
+    return history + own, len(history)
+
+
+def to_chat_request(req: ResponsesRequest, items: list[dict[str, Any]], first_own: int = 0) -> ChatCompletionRequest:
+    """``items``: the whole conversation, of which those from ``first_own`` on are the request's
+    input (what errors name)."""
     messages: list[dict[str, Any]] = []
     if req.instructions:
         messages.append({"role": "system", "content": req.instructions})
-    items = [{"type": "message", "role": "user", "content": req.input}] if isinstance(req.input, str) else req.input
     for i, item in enumerate(items):
         kind = item.get("type", "message")
-        where = f"input.{i}"
+        where = f"input.{i - first_own}" if i >= first_own else f"previous_response_id (item {i})"
         if kind == "message":
             role = item.get("role")
             if role not in ("user", "assistant", "system", "developer"):
@@ -116,21 +132,63 @@ def to_chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
 async def serve_responses(state: ServerState, request: Request) -> Response:
     """POST /v1/responses."""
     req: ResponsesRequest = await parse_body(request, ResponsesRequest)
-    run = await start_chat(state, to_chat_request(req), rid_prefix="resp")
+    items, first_own = request_items(state, req)
+    run = await start_chat(state, to_chat_request(req, items, first_own), rid_prefix="resp")
     shell = {"id": run.rid, "object": "response", "created_at": int(time.time()), "model": state.model_name,
              "parallel_tool_calls": req.parallel_tool_calls, "tool_choice": req.tool_choice or "auto",
              "tools": req.tools or [], "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
-             "temperature": req.temperature, "top_p": req.top_p, "text": req.text or {"format": {"type": "text"}}}
+             "temperature": req.temperature, "top_p": req.top_p, "text": req.text or {"format": {"type": "text"}},
+             "previous_response_id": req.previous_response_id, "store": req.store is not False}
+
+    def keep(response: dict[str, Any]) -> None:
+        if req.store is not False:
+            state.responses.put(StoredResponse(response, items, response["output"]))
+
     if req.stream:
-        return StreamingResponse(response_events(state, run, shell), media_type="text/event-stream")
+        return StreamingResponse(response_events(run, shell, keep), media_type="text/event-stream")
     out = await run_until_done(request, final_output(run.gen))
     if out is None:
         return Response(status_code=499)
     o = out.outputs[0]
     parser, reasoning, content = parse_choice(state, run, o.text)
     output = _output_items(run.rid, reasoning, content, parser.calls)
-    return JSONResponse({**shell, **_ending(o), "output": output,
-                         "usage": _usage(len(run.ids), len(o.token_ids), out.num_cached_tokens)})
+    response = {**shell, **_ending(o), "output": output,
+                "usage": _usage(len(run.ids), len(o.token_ids), out.num_cached_tokens)}
+    keep(response)
+    return JSONResponse(response)
+
+
+def serve_stored_response(state: ServerState, response_id: str, delete: bool = False) -> Response:
+    """GET /v1/responses/{id} (the response as it was returned) and DELETE (forget it)."""
+    stored = state.responses.get(response_id)
+    if stored is None:
+        raise APIError(404, f"response_id: no response {response_id!r} is stored", param="response_id",
+                       code="not_found")
+    if delete:
+        state.responses.delete(response_id)
+        return JSONResponse({"id": response_id, "object": "response", "deleted": True})
+    return JSONResponse(stored.response)
+
+
+def serve_input_items(state: ServerState, response_id: str) -> Response:
+    """GET /v1/responses/{id}/input_items: the conversation that response answered, newest first
+    as OpenAI lists them."""
+    stored = state.responses.get(response_id)
+    if stored is None:
+        raise APIError(404, f"response_id: no response {response_id!r} is stored", param="response_id",
+                       code="not_found")
+    data = [_as_item(item, i) for i, item in enumerate(stored.input_items)][::-1]
+    return JSONResponse({"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+                         "last_id": data[-1]["id"] if data else None, "has_more": False})
+
+
+def _as_item(item: dict[str, Any], index: int) -> dict[str, Any]:
+    """An input item as the API lists it: with a type and an id."""
+    out = {"type": "message", **item}
+    out.setdefault("id", f"item_{index}")
+    if out["type"] == "message" and isinstance(out.get("content"), str):
+        out["content"] = [{"type": "input_text", "text": out["content"]}]
+    return out
 
 
 def _output_items(rid: str, reasoning: str, content: str, calls: list) -> list[dict[str, Any]]:
@@ -165,10 +223,11 @@ def _usage(prompt: int, output: int, cached: int) -> dict[str, Any]:
             "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": prompt + output}
 
 
-async def response_events(state: ServerState, run: ChatRun, shell: dict[str, Any]) -> AsyncIterator[str]:
+async def response_events(run: ChatRun, shell: dict[str, Any],
+                          keep: Callable[[dict[str, Any]], None]) -> AsyncIterator[str]:
     """The Responses stream: response.created, the message's output_text deltas as they come,
     each function call whole once complete, response.completed (or incomplete) with the output
-    and usage; response.failed if the request fails."""
+    and usage, which ``keep`` stores; response.failed if the request fails."""
     seq = 0
 
     def event(kind: str, **data: Any) -> str:
@@ -221,5 +280,6 @@ async def response_events(state: ServerState, run: ChatRun, shell: dict[str, Any
             yield event("response.output_item.done", output_index=index, item=item)
     ending = _ending(o)
     final = {**shell, **ending, "output": output, "usage": _usage(len(run.ids), len(o.token_ids), last.num_cached_tokens)}
+    keep(final)
     yield event("response.completed" if ending["status"] == "completed" else "response.incomplete", response=final)
 
