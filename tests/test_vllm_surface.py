@@ -66,3 +66,114 @@ def test_vllm_sampling_params_names(llm):
                                 structured_outputs=GuidedDecodingParams(regex="b")), "guided_decoding")]:
         with pytest.raises(ValueError, match=f"^{field}:"):
             SamplingParams(**kwargs)
+
+
+def test_beam_search_matches_transformers_num_beams(hf_models, qwen2_dir, cache_dir):
+    """LLM.beam_search against transformers' generate(num_beams=...) on the same weights: the same
+    beams in the same order, with the same summed logprobs (length_penalty 0 there: its score is
+    the sum). None of the beams meets EOS here, where the two rank finished beams differently."""
+    import torch
+
+    from anna import BeamSearchParams
+
+    hf, _ = hf_models["qwen2"]
+    llm = LLM(str(qwen2_dir), dtype="float32", device="cpu", cache_dir=str(cache_dir), max_model_len=256,
+              num_gpu_blocks_override=128, block_size=16)
+    eos = llm.llm_engine.inputs.eos_token_ids
+    for prompt, width, steps in (([5, 17, 42, 99, 3, 250, 7], 3, 8), (list(range(30, 50)), 4, 6)):
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([prompt]), num_beams=width, num_return_sequences=width, do_sample=False,
+                              max_new_tokens=steps, length_penalty=0.0, early_stopping=False,
+                              output_scores=True, return_dict_in_generate=True, pad_token_id=0)
+        ref_beams = [row[len(prompt):].tolist() for row in ref.sequences]
+        assert not any(t in eos for beam in ref_beams for t in beam)  # the premise above
+        kv = llm.llm_engine.kv
+        hits = kv.prefix_cache_hits
+        (out,) = llm.beam_search([{"prompt_token_ids": prompt}], BeamSearchParams(beam_width=width, max_tokens=steps,
+                                                                                 length_penalty=0.0))
+        # every step after the first finds each beam's full blocks (here the prompt's first 16) cached
+        assert kv.prefix_cache_hits - hits >= 16 * (len(prompt) // 16) * width * (steps - 1)
+        assert [s.tokens[len(prompt):] for s in out.sequences] == ref_beams
+        assert [s.tokens[:len(prompt)] for s in out.sequences] == [prompt] * width
+        for seq, score in zip(out.sequences, ref.sequences_scores.tolist()):
+            assert math.isclose(seq.cum_logprob, score, abs_tol=2e-3)
+            assert seq.finish_reason == "length" and len(seq.logprobs) == steps
+            assert seq.text == llm.get_tokenizer().decode(seq.tokens[len(prompt):])
+    assert llm.llm_engine.kv.num_free_blocks == llm.llm_engine.kv.num_blocks  # every step's blocks came back
+
+
+def test_beam_search_ends_beams_at_eos_and_checks_its_params(llm):
+    from anna import BeamSearchParams
+
+    out = llm.beam_search(["Hello there", "Bye"], BeamSearchParams(beam_width=2, max_tokens=4))
+    assert len(out) == 2 and all(len(o.sequences) == 2 for o in out)
+    scores = [s.cum_logprob / len(s.tokens) for s in out[0].sequences]
+    assert scores == sorted(scores, reverse=True)  # best first, by length-normalised logprob
+    eos = llm.llm_engine.inputs.eos_token_ids
+    for o in out:
+        for s in o.sequences:
+            assert (s.finish_reason == "stop") == (s.tokens[-1] in eos)
+    for field, value in (("beam_width", 0), ("beam_width", 11), ("max_tokens", 0), ("temperature", -1)):
+        with pytest.raises(ValueError, match=f"^{field}:"):
+            BeamSearchParams(**{"beam_width": 2, "max_tokens": 3, field: value})
+    with pytest.raises(ValueError, match="^params:"):
+        llm.beam_search(["x"], SamplingParams())
+
+
+VLLM_SCRIPT = '''
+from vllm import LLM, SamplingParams
+from vllm.sampling_params import BeamSearchParams
+
+prompts = [
+    "Hello, my name is",
+    "The president of the United States is",
+    "The capital of France is",
+    "The future of AI is",
+]
+sampling_params = SamplingParams(temperature=0.8, top_p=0.95)
+llm = LLM(model=MODEL)
+outputs = llm.generate(prompts, sampling_params)
+for output in outputs:
+    prompt = output.prompt
+    generated_text = output.outputs[0].text
+    print(f"Prompt: {prompt!r}, Generated text: {generated_text!r}")
+
+sampling_params = llm.get_default_sampling_params()
+sampling_params.max_tokens = 8
+sampling_params.logprobs = 2
+outputs = llm.generate(prompts, sampling_params)
+for output in outputs:
+    out = output.outputs[0]
+    print("logprobs", len(out.logprobs) == len(out.token_ids) <= 8, out.cumulative_logprob is not None)
+
+conversation = [
+    {"role": "system", "content": "You are a helpful assistant"},
+    {"role": "user", "content": "Hello"},
+    {"role": "assistant", "content": "Hello! How can I assist you today?"},
+    {"role": "user", "content": "Write an essay about the importance of higher education."},
+]
+outputs = llm.chat(conversation, SamplingParams(temperature=0.5, max_tokens=10), use_tqdm=False)
+print("chat", outputs[0].prompt.endswith("<|im_start|>assistant\\n"), len(outputs[0].outputs[0].token_ids) <= 10)
+
+params = BeamSearchParams(beam_width=3, max_tokens=5)
+outputs = llm.beam_search([{"prompt": "Hello, my name is"}], params)
+for output in outputs:
+    print("beams", len(output.sequences), output.sequences[0].text is not None)
+'''
+
+
+def test_vllm_offline_examples_run_with_the_import_renamed(qwen2_dir, cache_dir, tmp_path):
+    """vLLM's quickstart, its default-sampling-params and chat examples and its beam search
+    usage, with `vllm` renamed `anna` in the imports and nothing else changed but the model."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "offline.py"
+    script.write_text(f"MODEL = {str(qwen2_dir)!r}\n" + VLLM_SCRIPT.replace("from vllm", "from anna"))
+    env = {**__import__("os").environ, "ANNA_CACHE_DIR": str(cache_dir), "ANNA_NUM_GPU_BLOCKS_OVERRIDE": "64"}
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert sum(line.startswith("Prompt: 'The capital of France is', Generated text: ") for line in lines) == 1
+    assert lines.count("logprobs True True") == 4
+    assert "chat True True" in lines and "beams 3 True" in lines

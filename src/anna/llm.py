@@ -10,7 +10,8 @@ from tqdm import tqdm
 
 from anna.core.config import ALIASES, IGNORED_VLLM_ARGS, RENAMED_VLLM_ARGS, ServeSettings, check_tensor_parallel_size
 from anna.core.outputs import RequestOutput
-from anna.core.sampling_params import SamplingParams
+from anna.beam_search import BeamSearchOutput, beam_search
+from anna.core.sampling_params import BeamSearchParams, SamplingParams
 from anna.runtime.engine import LLMEngine
 from anna.weights.chat_template import render_chat
 
@@ -18,6 +19,26 @@ log = logging.getLogger(__name__)
 
 
 Prompt = str | list[int] | dict[str, Any]
+
+
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        return [prompts]
+    if not isinstance(prompts, (list, tuple)):
+        raise ValueError("prompts: must be a string, token ids, a dict with 'prompt' or 'prompt_token_ids', "
+                         f"or a list of those (got {type(prompts).__name__})")
+    return list(prompts)
+
+
+def _unwrap(prompt: Prompt) -> str | list[int]:
+    """A TextPrompt / TokensPrompt dict's text or token ids; other prompts as they are."""
+    if not isinstance(prompt, dict):
+        return prompt
+    if "prompt_token_ids" in prompt:
+        return prompt["prompt_token_ids"]
+    if "prompt" in prompt:
+        return prompt["prompt"]
+    raise ValueError("prompts: a dict prompt needs 'prompt' or 'prompt_token_ids'")
 
 
 class LLM:
@@ -48,13 +69,7 @@ class LLM:
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
-                                                 and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        if not isinstance(prompts, (list, tuple)):
-            raise ValueError("prompts: must be a string, token ids, a dict with 'prompt' or 'prompt_token_ids', "
-                             f"or a list of those (got {type(prompts).__name__})")
-        prompts = list(prompts)
+        prompts = _as_prompt_list(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
@@ -67,13 +82,7 @@ class LLM:
         engine = self.llm_engine
         try:
             for prompt, p in zip(prompts, params):
-                if isinstance(prompt, dict):
-                    if "prompt_token_ids" in prompt:
-                        prompt = prompt["prompt_token_ids"]
-                    elif "prompt" in prompt:
-                        prompt = prompt["prompt"]
-                    else:
-                        raise ValueError("prompts: a dict prompt needs 'prompt' or 'prompt_token_ids'")
+                prompt = _unwrap(prompt)
                 rid = f"llm-{self._counter}"
                 self._counter += 1
                 if isinstance(p, SamplingParams) and p.output_kind != "final_only":  # generate() returns finals only
@@ -108,6 +117,15 @@ class LLM:
         for out, text in zip(outputs, texts):
             out.prompt = text  # the rendered conversation, as vLLM reports it
         return outputs
+
+    def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams,
+                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """The ``params.beam_width`` best continuations of each prompt by beam search (vLLM's
+        LLM.beam_search; see beam_search.py for how)."""
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"params: must be a BeamSearchParams (got {type(params).__name__})")
+        ids = [self.llm_engine.inputs.encode_prompt(_unwrap(p))[1] for p in _as_prompt_list(prompts)]
+        return beam_search(self, ids, params)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine

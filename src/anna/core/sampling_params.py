@@ -204,3 +204,34 @@ class SamplingParams:
             bad("output_kind", f"must be one of {', '.join(OUTPUT_KINDS)}")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             bad("structured_outputs", "must be a StructuredOutputsParams")
+
+
+MAX_BEAM_WIDTH = MAX_LOGPROBS // 2  # each step reads 2 x beam_width candidates per beam
+
+
+@dataclass
+class BeamSearchParams:
+    """LLM.beam_search's parameters, as vLLM names them. ``length_penalty``: the final ranking
+    divides a sequence's cumulative logprob by its length (prompt included, as vLLM counts it) to
+    this power."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        def is_int(v: object) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        if not is_int(self.beam_width) or not 1 <= self.beam_width <= MAX_BEAM_WIDTH:
+            raise ValueError(f"beam_width: must be an integer in [1, {MAX_BEAM_WIDTH}] (got {self.beam_width!r})")
+        if not is_int(self.max_tokens) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens: must be an integer >= 1 (got {self.max_tokens!r})")
+        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) \
+                or not 0 <= self.temperature <= 100:
+            raise ValueError(f"temperature: must be a number in [0, 100] (got {self.temperature!r})")
+        if isinstance(self.length_penalty, bool) or not isinstance(self.length_penalty, (int, float)):
+            raise ValueError(f"length_penalty: must be a number (got {self.length_penalty!r})")
