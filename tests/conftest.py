@@ -100,6 +100,22 @@ def qwen2_dir(hf_models) -> Path:
 
 
 @pytest.fixture(scope="session")
+def grammar_checker(qwen2_dir, cache_dir):
+    """accepts(spec, text): whether the engine's grammar compiler takes ``text`` (tokenized by the
+    tiny model's tokenizer) as a whole sentence of the constraint ``spec``."""
+    from anna import LLM
+
+    llm = LLM(str(qwen2_dir), dtype="float32", device="cpu", cache_dir=str(cache_dir), max_model_len=512,
+              num_gpu_blocks_override=32)
+    structured, tok = llm.llm_engine.structured, llm.get_tokenizer()
+
+    def accepts(spec, text: str) -> bool:
+        matcher = structured.new_matcher(spec)
+        return matcher.consume_tokens(tok.encode(text, add_special_tokens=False)) and matcher.is_accepting()
+    return accepts
+
+
+@pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("anna-cache")
 

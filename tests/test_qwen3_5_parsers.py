@@ -12,7 +12,6 @@ import jsonschema
 import openai
 import pytest
 
-from anna import LLM
 from anna.core.sampling_params import StructuredOutputsParams
 from anna.server.constraints import after_reasoning
 from anna.server.reasoning import ThinkReasoningParser, prompt_reasoning
@@ -116,36 +115,28 @@ def test_streamed_xml_calls_add_up_at_every_chunk_size():
         assert json.loads(by_index[1]["arguments"]) == {"text": "line one\nline <two>"}
 
 
-@pytest.fixture(scope="module")
-def compiler(qwen2_dir, cache_dir):
-    llm = LLM(str(qwen2_dir), dtype="float32", device="cpu", cache_dir=str(cache_dir), max_model_len=512,
-              num_gpu_blocks_override=32)
-    return llm.llm_engine.structured, llm.get_tokenizer()
+@pytest.fixture
+def accepts(grammar_checker):
+    return grammar_checker
 
 
-def accepts(compiler, spec: StructuredOutputsParams, text: str) -> bool:
-    structured, tok = compiler
-    matcher = structured.new_matcher(spec)
-    return matcher.consume_tokens(tok.encode(text, add_special_tokens=False)) and matcher.is_accepting()
-
-
-def test_forced_call_grammar_takes_calls_that_follow_the_schemas(compiler):
+def test_forced_call_grammar_takes_calls_that_follow_the_schemas(accepts):
     spec = StructuredOutputsParams(grammar=Qwen3XmlToolParser.grammar(TOOLS, parallel=True))
-    assert accepts(compiler, spec, CALL) and accepts(compiler, spec, CALL + "\n" + NOTE)
+    assert accepts(spec, CALL) and accepts(spec, CALL + "\n" + NOTE)
     minimal = "<tool_call>\n<function=get_weather>\n<parameter=city>\nRome\n</parameter>\n<parameter=days>\n2\n" \
               "</parameter>\n</function>\n</tool_call>"
-    assert accepts(compiler, spec, minimal)
-    assert not accepts(compiler, spec, minimal.replace("\n2\n", "\ntwo\n"))  # days must be an integer
-    assert not accepts(compiler, spec, minimal.replace("<parameter=city>\nRome\n</parameter>\n", ""))  # required
-    assert not accepts(compiler, spec, "Sure." + CALL)
-    assert not accepts(compiler, spec, CALL.replace("\nmetric\n", "\nkelvin\n"))  # not one of the enum's
+    assert accepts(spec, minimal)
+    assert not accepts(spec, minimal.replace("\n2\n", "\ntwo\n"))  # days must be an integer
+    assert not accepts(spec, minimal.replace("<parameter=city>\nRome\n</parameter>\n", ""))  # required
+    assert not accepts(spec, "Sure." + CALL)
+    assert not accepts(spec, CALL.replace("\nmetric\n", "\nkelvin\n"))  # not one of the enum's
     single = StructuredOutputsParams(grammar=Qwen3XmlToolParser.grammar(TOOLS, parallel=False))
-    assert not accepts(compiler, single, CALL + "\n" + NOTE)
+    assert not accepts(single, CALL + "\n" + NOTE)
     # after the reasoning block the prompt opened: reasoning text, </think>, then the call
     opened = after_reasoning(spec, "open")
-    assert accepts(compiler, opened, "which tool? </th not yet\n</think>\n\n" + CALL)
-    assert not accepts(compiler, opened, CALL)  # the block is open: it must be closed first
-    assert accepts(compiler, after_reasoning(spec), CALL)
+    assert accepts(opened, "which tool? </th not yet\n</think>\n\n" + CALL)
+    assert not accepts(opened, CALL)  # the block is open: it must be closed first
+    assert accepts(after_reasoning(spec), CALL)
     assert after_reasoning(spec, "closed") is spec  # the prompt gave the (empty) block: the call comes first
 
 

@@ -12,7 +12,6 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from anna import LLM
 from anna.core.sampling_params import StructuredOutputsParams
 from anna.server.app import create_app
 from anna.server.tool_parsers import ForcedJsonToolParser, Llama3JsonToolParser, forced_call_parser
@@ -44,33 +43,22 @@ def test_the_parser_is_read_from_the_chat_template(parser):
     assert template_tool_format(failing)[0] == "hermes"
 
 
-@pytest.fixture(scope="module")
-def compiler(qwen2_dir, cache_dir):
-    llm = LLM(str(qwen2_dir), dtype="float32", device="cpu", cache_dir=str(cache_dir), max_model_len=512,
-              num_gpu_blocks_override=32)
-    return llm.llm_engine.structured, llm.get_tokenizer()
-
-
-def accepts(compiler, grammar: str, text: str) -> bool:
-    structured, tok = compiler
-    matcher = structured.new_matcher(StructuredOutputsParams(grammar=grammar))
-    return matcher.consume_tokens(tok.encode(text, add_special_tokens=False)) and matcher.is_accepting()
-
-
-def test_forced_grammars_of_the_json_formats(compiler):
+def test_forced_grammars_of_the_json_formats(grammar_checker):
     """Llama 3 JSON forces its own form; mistral and none force the plain JSON list."""
+    def accepts(grammar: str, text: str) -> bool:
+        return grammar_checker(StructuredOutputsParams(grammar=grammar), text)
+
     call = '{"name": "get_weather", "parameters": {"days": 3, "units": "metric"}}'
     grammar = Llama3JsonToolParser.grammar(TOOLS, parallel=True)
-    assert accepts(compiler, grammar, call) and accepts(compiler, grammar, call + '; {"name": "add", '
-                                                                                  '"parameters": {"a": 4}}')
-    assert not accepts(compiler, grammar, call.replace("3", "30"))  # days above the schema's maximum
-    assert not accepts(compiler, Llama3JsonToolParser.grammar(TOOLS, parallel=False), call + "; " + call)
+    assert accepts(grammar, call) and accepts(grammar, call + '; {"name": "add", "parameters": {"a": 4}}')
+    assert not accepts(grammar, call.replace("3", "30"))  # days above the schema's maximum
+    assert not accepts(Llama3JsonToolParser.grammar(TOOLS, parallel=False), call + "; " + call)
     for name in ("mistral", "none"):
         cls, grammar = forced_call_parser(name, TOOLS, parallel=False)
         assert cls is ForcedJsonToolParser
-        assert accepts(compiler, grammar, f"[{call}]") and not accepts(compiler, grammar, f"[{call}, {call}]")
-        assert not accepts(compiler, grammar, "[]") and not accepts(compiler, grammar, call)
-    assert accepts(compiler, forced_call_parser("none", TOOLS, parallel=True)[1], f"[{call}, {call}]")
+        assert accepts(grammar, f"[{call}]") and not accepts(grammar, f"[{call}, {call}]")
+        assert not accepts(grammar, "[]") and not accepts(grammar, call)
+    assert accepts(forced_call_parser("none", TOOLS, parallel=True)[1], f"[{call}, {call}]")
 
 
 @pytest.fixture(scope="module")
