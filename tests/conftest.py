@@ -100,6 +100,20 @@ def qwen2_dir(hf_models) -> Path:
 
 
 @pytest.fixture(scope="session")
+def roomy_qwen2_dir(qwen2_dir, tmp_path_factory) -> Path:
+    """The tiny Qwen2 with 16,384 positions instead of 512: room for a prompt that lists tools (the
+    demo tokenizer spends a token on almost every character of JSON) or for a long generation."""
+    import json
+    import shutil
+
+    path = tmp_path_factory.mktemp("roomy") / "qwen2"
+    shutil.copytree(qwen2_dir, path)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 16384}))
+    return path
+
+
+@pytest.fixture(scope="session")
 def grammar_checker(qwen2_dir, cache_dir):
     """accepts(spec, text): whether the engine's grammar compiler takes ``text`` (tokenized by the
     tiny model's tokenizer) as a whole sentence of the constraint ``spec``."""
@@ -190,3 +204,8 @@ def live_server(qwen2_dir, cache_dir, tmp_path_factory):
                                "--api-key", SERVER_API_KEY, "--num-gpu-blocks-override", "96", "--max-n", "4")
     yield base
     stop_server(proc)
+
+
+def pytest_addoption(parser):
+    parser.addoption("--console-screenshots", default=None, metavar="DIR",
+                     help="Where the web console's browser test also saves its screenshots (docs/ keeps them).")

@@ -61,19 +61,6 @@ def test_forced_grammars_of_the_json_formats(grammar_checker):
     assert accepts(forced_call_parser("none", TOOLS, parallel=True)[1], f"[{call}, {call}]")
 
 
-@pytest.fixture(scope="module")
-def roomy_dir(qwen2_dir, tmp_path_factory) -> Path:
-    """The tiny Qwen2 with room for a prompt that lists tools (2,048 positions instead of 512: the
-    demo tokenizer spends a token on almost every character of JSON)."""
-    import shutil
-
-    path = tmp_path_factory.mktemp("roomy") / "qwen2"
-    shutil.copytree(qwen2_dir, path)
-    config = json.loads((path / "config.json").read_text())
-    (path / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 2048}))
-    return path
-
-
 def _serve(app, script):
     """Run ``script(post)`` against the app in process; ``post(body)`` is a chat completion's JSON."""
     import httpx
@@ -88,14 +75,14 @@ def _serve(app, script):
 
 
 @pytest.mark.parametrize("parser", [*sorted(TEMPLATES), "none"])
-def test_forced_calls_with_the_parser_auto_chose(parser, roomy_dir, cache_dir):
+def test_forced_calls_with_the_parser_auto_chose(parser, roomy_qwen2_dir, cache_dir):
     """`anna serve` with no parser flags: the settings name the format the template writes, and
     forced calls (required, a named function) come back as tool_calls that follow the schemas, in
     every format. The same call cut off by max_tokens just after its name gives finish_reason
     length and the call as far as it was written, never markup as content; cut before its name
     was written, no call and no content."""
     template = str(DATA / TEMPLATES[parser]) if parser != "none" else CHATML
-    app = create_app(engine_settings(roomy_dir, cache_dir, chat_template=template, inference_warmup=False,
+    app = create_app(engine_settings(roomy_qwen2_dir, cache_dir, chat_template=template, inference_warmup=False,
                                      max_model_len=1024), load_in_background=False)
     base = {"messages": MESSAGES, "tools": TOOLS, "max_tokens": 120, "temperature": 1.0,
             "chat_template_kwargs": {"enable_thinking": False}}

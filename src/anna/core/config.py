@@ -231,6 +231,9 @@ class ServeSettings:
         minimum=1)
     text_queue_limit: int | None = _setting(
         32, "Jobs that may wait for each of those thread pools; a request beyond that gets 503 (server busy).")
+    web_ui: bool | None = _setting(
+        True, "Serve the web console at / (chat with the model, watch the engine live); its page loads without the "
+              "API key and asks for it. --no-web-ui: / is a 404.")
     responses_store_size: int | None = _setting(
         256, "Responses (POST /v1/responses) kept in memory, the newest, so that a request may continue one by "
              "previous_response_id and GET /v1/responses/{id} may read it back; 0 = none kept (every request then "
@@ -282,7 +285,7 @@ SECTION_FIELDS: dict[str, tuple[str, ...]] = {
             "int4_matmul", "int4_gemv_m_threshold"),
     "server": ("host", "port", "api_key", "allowed_origins", "max_n", "max_request_bytes", "header_read_timeout",
                "body_read_timeout", "shutdown_timeout", "prompt_workers", "tokenize_workers", "text_queue_limit",
-               "responses_store_size", "tool_call_parser", "reasoning_parser", "log_level", "metrics_namespace",
+               "web_ui", "responses_store_size", "tool_call_parser", "reasoning_parser", "log_level", "metrics_namespace",
                "log_stats_interval"),
 }
 

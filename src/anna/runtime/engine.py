@@ -37,6 +37,7 @@ class EngineSnapshot:
     kv_usage: float
     num_blocks: int
     num_free_blocks: int
+    num_cached_blocks: int
     prefix_cache_queries: int
     prefix_cache_hits: int
     num_preemptions: int
@@ -101,7 +102,7 @@ class LLMEngine:
         kv, pc, sched = self.kv, self.prompt_cache, self.scheduler
         return EngineSnapshot(
             num_running=len(sched.running), num_waiting=len(sched.waiting), kv_usage=kv.usage,
-            num_blocks=kv.num_blocks, num_free_blocks=kv.num_free_blocks,
+            num_blocks=kv.num_blocks, num_free_blocks=kv.num_free_blocks, num_cached_blocks=kv.num_cached_blocks,
             prefix_cache_queries=kv.prefix_cache_queries, prefix_cache_hits=kv.prefix_cache_hits,
             num_preemptions=sched.num_preemptions, prompt_cache_size=pc.size, prompt_cache_max_tokens=pc.max_tokens,
             prompt_cache_lookups=pc.lookups, prompt_cache_hits=pc.hits,

@@ -125,6 +125,11 @@ class KVCacheManager:
         return self.pool.num_free
 
     @property
+    def num_cached_blocks(self) -> int:
+        """Blocks that hold a prefix a later request may reuse (in use or free)."""
+        return len(self.pool.cached)
+
+    @property
     def usage(self) -> float:
         return 1.0 - self.pool.num_free / max(1, self.pool.num_blocks)
 

@@ -19,6 +19,7 @@ from anna.runtime.warmup import run_warmup
 from anna.server.async_engine import AsyncEngine
 from anna.server.common import ServerState, as_api_error, served_names
 from anna.server.guard import RequestGuard
+from anna.server.web_console import mount_console
 from anna.server.metrics import EngineCollector, make_registry, render
 from anna.server.openapi import document_request_bodies, mount_docs
 from anna.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
@@ -27,6 +28,7 @@ from anna.server.serving_chat import serve_chat
 from anna.server.serving_completions import serve_completions
 from anna.server.serving_messages import MessagesRequest, serve_count_tokens, serve_messages
 from anna.server.serving_responses import ResponsesRequest, serve_input_items, serve_responses, serve_stored_response
+from anna.server.serving_snapshot import serve_snapshot
 from anna.server.serving_tokens import serve_detokenize, serve_model, serve_models, serve_tokenize
 
 log = logging.getLogger(__name__)
@@ -74,6 +76,8 @@ def create_app(settings: ResolvedSettings, *, load_in_background: bool = True) -
     app = FastAPI(title="Anna", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.anna = state
     mount_docs(app)
+    if settings.web_ui:
+        mount_console(app)
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, exc: APIError) -> Response:
@@ -147,6 +151,10 @@ def create_app(settings: ResolvedSettings, *, load_in_background: bool = True) -
     @app.post("/v1/responses")
     async def responses(request: Request) -> Response:
         return await serve_responses(state, request)
+
+    @app.get("/snapshot")
+    async def snapshot() -> Response:
+        return serve_snapshot(state)
 
     @app.get("/v1/responses/{response_id}")
     async def stored_response(response_id: str) -> Response:

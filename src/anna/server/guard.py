@@ -17,6 +17,9 @@ from anna.server.protocol import APIError, error_response
 log = logging.getLogger(__name__)
 
 OPEN_PATHS = ("/health",)  # answered without an API key: load balancers and supervisors probe it
+# The web console's page and its scripts hold no data (what the page shows it reads from
+# /snapshot and the API, with the key the page asks for): they load without a key.
+CONSOLE_PAGE, CONSOLE_ASSETS = "/", "/console/"
 
 
 class RequestGuard:
@@ -26,6 +29,7 @@ class RequestGuard:
         self.max_bytes = settings.max_request_bytes
         self.body_timeout = settings.body_read_timeout
         self.draining = draining
+        self.web_ui = settings.web_ui
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] != "http":
@@ -52,7 +56,7 @@ class RequestGuard:
         """The error to answer at once without reading the body, if any."""
         path = scope.get("path", "")
         headers = dict(scope.get("headers") or [])
-        if self.key is not None and path not in OPEN_PATHS and not self._authorized(headers):
+        if self.key is not None and not self._open(path) and not self._authorized(headers):
             return (APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>' or "
                                   "'x-api-key: <key>')"), {"WWW-Authenticate": 'Bearer realm="anna"'})
         if self.draining() and path not in OPEN_PATHS:
@@ -61,6 +65,10 @@ class RequestGuard:
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
             return self._too_large(), {"Connection": "close"}
         return None
+
+    def _open(self, path: str) -> bool:
+        """Whether a path is answered without an API key."""
+        return path in OPEN_PATHS or (self.web_ui and (path == CONSOLE_PAGE or path.startswith(CONSOLE_ASSETS)))
 
     def _authorized(self, headers: dict[bytes, bytes]) -> bool:
         """``Authorization: Bearer KEY`` (the scheme in any case, RFC 9110) or ``x-api-key: KEY``;
