@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import shutil
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -78,9 +79,12 @@ def test_the_console_in_a_real_browser(roomy_qwen2_dir, cache_dir, tmp_path, req
     from selenium.webdriver.support.ui import WebDriverWait
 
     browser = chrome()
+    # a template that opens <think> in the prompt: the random model never closes it, so every
+    # answer is reasoning, which the page must show apart from the (empty) answer
+    template = Path(__file__).parent / "data" / "qwen3_5_style_chat_template.jinja"
     proc, base = launch_server(roomy_qwen2_dir, cache_dir, tmp_path / "server.log", "--api-key", KEY,
                                "--max-model-len", "16384", "--num-gpu-blocks-override", "1100",
-                               "--served-model-name", "tiny-console")
+                               "--served-model-name", "tiny-console", "--chat-template", str(template))
     shots = request.config.getoption("--console-screenshots")
 
     def snapshot() -> dict:
@@ -105,7 +109,7 @@ def test_the_console_in_a_real_browser(roomy_qwen2_dir, cache_dir, tmp_path, req
         wait.until(lambda _: by_id("status").text.startswith("live"))
         assert by_id("model").text == "tiny-console"
 
-        # a short answer, streamed, with its figures
+        # a short answer, streamed, with its figures and its reasoning apart
         for name, value in (("max_tokens", "48"), ("seed", "3"), ("system", "You are terse.")):
             by_id(name).clear()
             by_id(name).send_keys(value)
@@ -115,7 +119,9 @@ def test_the_console_in_a_real_browser(roomy_qwen2_dir, cache_dir, tmp_path, req
         wait.until(lambda _: "TTFT" in last().find_element(By.CLASS_NAME, "figures").text)
         figures = last().find_element(By.CLASS_NAME, "figures").text
         assert "tokens/s" in figures and "prompt tokens cached" in figures
-        assert last().find_element(By.CLASS_NAME, "answer").text
+        reasoning = last().find_element(By.CLASS_NAME, "reasoning")
+        assert reasoning.is_displayed() and reasoning.find_element(By.CLASS_NAME, "reasoning-text").text
+        assert last().find_element(By.CLASS_NAME, "answer").text == ""
         shot("console-chat.png")
 
         # a long generation: tokens appear while it runs, the live view moves, Stop aborts it
@@ -123,7 +129,7 @@ def test_the_console_in_a_real_browser(roomy_qwen2_dir, cache_dir, tmp_path, req
         by_id("max_tokens").send_keys("16000")
         by_id("prompt").send_keys("Now a very long story, please.")
         by_id("send").click()
-        wait.until(lambda _: len(last().find_element(By.CLASS_NAME, "answer").text) > 20)
+        wait.until(lambda _: len(last().find_element(By.CLASS_NAME, "reasoning-text").text) > 20)
         assert by_id("stop").is_enabled()  # still streaming: the text came before the end
         assert snapshot()["requests"]["running"] == 1
         by_id("tab-engine").click()

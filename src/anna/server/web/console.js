@@ -244,7 +244,7 @@ function render() {
   $("kv").textContent = kv.used + " / " + kv.cached + " / " + kv.blocks;
   const pc = last.prefix_cache;
   $("prefix").textContent = pc.hit_rate === null ? "–" : (100 * pc.hit_rate).toFixed(1) + "%";
-  $("releases").textContent = last.memory.releases;
+  $("releases").textContent = last.memory.releases + " · " + (last.memory.kv_resident_bytes / 2 ** 20).toFixed(0) + " MiB";
   $("spikes").textContent = last.steps.spikes;
   const pairs = samples.slice(1).map((s, i) => [s.time, rates(samples[i], s)]);
   if (pairs.length) {
