@@ -64,16 +64,19 @@ def main() -> None:
     ap.add_argument("--decode-executor", default="auto", choices=["auto", "eager", "graph"])
     ap.add_argument("--quantization", default="none", choices=["none", "int8", "int4"])
     ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--cpu-isa", default="auto", help="CPU kernel level (a lower one than the CPU's forces its path)")
     args = ap.parse_args()
 
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(3, 700, (args.prompt_tokens,), generator=g).tolist()
     results = {"machine": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
                "torch": torch.__version__, "model": args.model, "dtype": args.dtype,
-               "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens, "quantization": args.quantization}
+               "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens, "quantization": args.quantization,
+               "cpu_isa": args.cpu_isa}
 
     llm = LLM(args.model, dtype=args.dtype, device=args.device, enable_prefix_caching=False,
-              decode_executor=args.decode_executor, quantization=args.quantization, max_model_len=args.max_model_len)
+              decode_executor=args.decode_executor, quantization=args.quantization, max_model_len=args.max_model_len,
+              cpu_isa=args.cpu_isa)
     results["decode_executor"] = llm.llm_engine.decode_executor
     anna_run(llm, prompt, 8, "warm")
     runs = [anna_run(llm, prompt, args.new_tokens, f"r{i}") for i in range(args.repeats)]

@@ -115,6 +115,11 @@ class ServeSettings:
         True, "Use Anna's compiled CPU matmul kernels for decode-sized matmuls (built with the C compiler).")
     cpu_kernel_compiler: str | None = _setting(
         "", "C compiler that builds Anna's CPU kernels; empty = the CC environment variable, else cc, else gcc.")
+    cpu_isa: str | None = _setting(
+        "auto", "x86 kernel level: auto = the highest this CPU has (named in the start-up log); a lower one forces "
+                "that level's paths (avx2: today's AVX2 kernels, large bf16 matmuls through fp32; from avx512_bf16 "
+                "on, large bf16 matmuls run in bf16 on oneDNN's AVX512-BF16/AMX kernels). One the CPU lacks is "
+                "refused.", choices=("auto", "none", "avx2", "avx512", "avx512_vnni", "avx512_bf16", "amx"))
     cpu_gemv_max_rows: int | None = _setting(
         128, "Largest M (rows) routed to Anna's CPU matmul kernel; larger matmuls use torch.")
     cpu_upcast_min_rows: int | None = _setting(
@@ -281,7 +286,7 @@ SECTION_FIELDS: dict[str, tuple[str, ...]] = {
     "execution": ("device", "compile_mode", "compile_fullgraph", "decode_executor", "torchinductor_cache_dir",
                   "profile_runtime", "inference_warmup", "warmup_prefill_tokens", "warmup_batch_size",
                   "warmup_decode_steps"),
-    "cpu": ("cpu_kernels", "cpu_kernel_compiler", "cpu_gemv_max_rows", "cpu_upcast_min_rows", "cpu_huge_pages",
+    "cpu": ("cpu_kernels", "cpu_kernel_compiler", "cpu_isa", "cpu_gemv_max_rows", "cpu_upcast_min_rows", "cpu_huge_pages",
             "int4_matmul", "int4_gemv_m_threshold"),
     "server": ("host", "port", "api_key", "allowed_origins", "max_n", "max_request_bytes", "header_read_timeout",
                "body_read_timeout", "shutdown_timeout", "prompt_workers", "tokenize_workers", "text_queue_limit",

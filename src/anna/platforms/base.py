@@ -138,9 +138,11 @@ class Platform:
         return getattr(torch, self.name)
 
 
-def linear_routing(cpu: Any) -> LinearRouting:
-    """The matmul routing thresholds of the cpu settings section."""
-    return LinearRouting(cpu.cpu_gemv_max_rows, cpu.cpu_upcast_min_rows, cpu.int4_matmul, cpu.int4_gemv_m_threshold)
+def linear_routing(cpu: Any, bf16_matmul: bool = False) -> LinearRouting:
+    """The matmul routing thresholds of the cpu settings section (``bf16_matmul``: what the CPU's
+    instruction sets allow, platforms/cpu/isa.py)."""
+    return LinearRouting(cpu.cpu_gemv_max_rows, cpu.cpu_upcast_min_rows, cpu.int4_matmul, cpu.int4_gemv_m_threshold,
+                         bf16_matmul)
 
 
 def no_graph_reason(profiling: bool, model: Any) -> str | None:

@@ -125,14 +125,20 @@ class CpuPlatform(Platform):
                 log.info("Weights on huge pages: %.1f MiB", moved / 2**20)
 
     def build_ops(self, cpu: Any, quant: QuantFormat, profiler: Any, cache_dir: str = "~/.cache/anna") -> ModelOps:
+        from anna.platforms.cpu.isa import detect_isa
         from anna.platforms.cpu.kernels import build_cpu_kernels
         from anna.platforms.cpu.ops import CpuKernelOps, CpuTorchOps
 
-        kernels = build_cpu_kernels(cache_dir, cpu.cpu_kernel_compiler) if cpu.cpu_kernels else None
-        log.info("CPU kernels: %s", f"Anna's (matmuls up to M={cpu.cpu_gemv_max_rows})" if kernels else "torch's")
+        isa = detect_isa(force=cpu.cpu_isa)
+        log.info(isa.describe())
+        kernels = build_cpu_kernels(cache_dir, cpu.cpu_kernel_compiler, isa) if cpu.cpu_kernels else None
+        routing = linear_routing(cpu, bf16_matmul=isa.bf16_matmul)
+        log.info("CPU kernels: %s; larger bf16 matmuls: %s",
+                 f"Anna's (matmuls up to M={cpu.cpu_gemv_max_rows})" if kernels else "torch's",
+                 "bf16 (oneDNN, hardware bf16)" if routing.bf16_matmul else "fp32 (weights converted)")
         if kernels is None:
-            return CpuTorchOps(quant, linear_routing(cpu), profiler)
-        return CpuKernelOps(kernels, quant, linear_routing(cpu), profiler)
+            return CpuTorchOps(quant, routing, profiler)
+        return CpuKernelOps(kernels, quant, routing, profiler)
 
     def capability(self) -> str:
         return f"cpu-{torch.backends.cpu.get_cpu_capability()}"

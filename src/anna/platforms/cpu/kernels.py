@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from anna.platforms.cpu.isa import CpuIsa, detect_isa
+
 log = logging.getLogger(__name__)
 
 KERNEL_DIR = Path(__file__).parent / "csrc"
@@ -24,14 +26,6 @@ HEADERS = [KERNEL_DIR / name for name in ("work_split.h", "decode_common.h")]
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC"]
 WEIGHT_TYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 UNPACK_SCRATCH_BYTES = 128 << 20
-
-
-def cpu_has_avx2() -> bool:
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return all(f" {flag}" in flags for flag in ("avx2", "fma", "f16c"))
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -71,6 +65,7 @@ class CpuKernels:
         lib.anna_gemv.argtypes = [p, p, i, p, p, i, l, l, i]
         lib.anna_gemv_experts.argtypes = [p, p, p, p, l, i, p, l, l, i]
         lib.anna_deinterleave_rows.argtypes = [p, i, l, l, p, i]
+        lib.anna_deinterleave_rows16.argtypes = [p, l, l, p, i]
         lib.anna_add_rmsnorm.argtypes = [p, p, p, i, p, l, l, f, i]
         lib.anna_rotary.argtypes = [p, l, l, l, l, p, p, p]
         lib.anna_silu_mul.argtypes = [p, p, l, l, i]
@@ -85,12 +80,12 @@ class CpuKernels:
                                                   p, l, p, l, f, p, p, p, p, l, l, l, l, l, p, p, i]
         lib.anna_conv_step.argtypes = [p, p, p, p, l, l, l, p, p, i]
         lib.anna_gated_delta_decode.argtypes = [p, p, p, p, p, p, p, p, p, i, f, l, l, l, l, l, p, i]
-        for fn in (lib.anna_conv_step, lib.anna_gated_delta_decode, lib.anna_decode_hybrid_layers, lib.anna_gemv, lib.anna_gemv_experts, lib.anna_deinterleave_rows, lib.anna_add_rmsnorm, lib.anna_rotary, lib.anna_silu_mul,
+        for fn in (lib.anna_conv_step, lib.anna_gated_delta_decode, lib.anna_decode_hybrid_layers, lib.anna_gemv, lib.anna_gemv_experts, lib.anna_deinterleave_rows, lib.anna_deinterleave_rows16, lib.anna_add_rmsnorm, lib.anna_rotary, lib.anna_silu_mul,
                    lib.anna_paged_decode_attention, lib.anna_qgemm, lib.anna_qgemm_experts, lib.anna_dequant,
                    lib.anna_decode_layers, lib.anna_argmax_rows):
             fn.restype = None
         self.lib = lib
-        self._scratch = torch.empty(0, dtype=torch.float32)  # see unpack_rows
+        self._scratch = {torch.float32: torch.empty(0, dtype=torch.float32)}  # see _matmul_operand
 
     @staticmethod
     def supports_weight(weight: torch.Tensor) -> bool:
@@ -120,22 +115,28 @@ class CpuKernels:
                                    wtype, y.data_ptr(), n, x2.shape[1], torch.get_num_threads())
         return y
 
-    def _matmul_operand(self, n: int, k: int) -> torch.Tensor:
-        """An fp32 [n, k] buffer for a weight that one matmul reads and drops: weights up to
-        UNPACK_SCRATCH_BYTES share one reused buffer (valid until the next call), because filling
-        freshly allocated pages costs several times the conversion itself."""
-        if n * k * 4 > UNPACK_SCRATCH_BYTES:
-            return torch.empty(n, k, dtype=torch.float32)
-        if self._scratch.numel() < n * k:
-            self._scratch = torch.empty(n * k, dtype=torch.float32)
-        return self._scratch[:n * k].view(n, k)
+    def _matmul_operand(self, n: int, k: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """An [n, k] buffer for a weight that one matmul reads and drops: weights up to
+        UNPACK_SCRATCH_BYTES share one reused buffer per dtype (valid until the next call), because
+        filling freshly allocated pages costs several times the conversion itself."""
+        if n * k * dtype.itemsize > UNPACK_SCRATCH_BYTES:
+            return torch.empty(n, k, dtype=dtype)
+        scratch = self._scratch.get(dtype)
+        if scratch is None or scratch.numel() < n * k:
+            scratch = self._scratch[dtype] = torch.empty(n * k, dtype=dtype)
+        return scratch[:n * k].view(n, k)
 
-    def deinterleave(self, weight: torch.Tensor) -> torch.Tensor:
-        """fp32 row-major copy of a weight in linear.interleave_rows' layout, for one matmul."""
+    def deinterleave(self, weight: torch.Tensor, keep_dtype: bool = False) -> torch.Tensor:
+        """Row-major copy of a weight in linear.interleave_rows' layout, for one matmul: fp32, or
+        (``keep_dtype``, 16-bit weights) in the weight's own dtype."""
         n, k = weight.shape
+        if keep_dtype and weight.element_size() == 2:
+            out = self._matmul_operand(n, k, weight.dtype)
+            self.lib.anna_deinterleave_rows16(weight.data_ptr(), n, k, out.data_ptr(), torch.get_num_threads())
+            return out
         out = self._matmul_operand(n, k)
         self.lib.anna_deinterleave_rows(weight.data_ptr(), WEIGHT_TYPES[weight.dtype], n, k, out.data_ptr(),
-                                  torch.get_num_threads())
+                                        torch.get_num_threads())
         return out
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
@@ -285,11 +286,11 @@ class CpuKernels:
         return out
 
 
-def build_cpu_kernels(cache_dir: str | Path, compiler: str = "") -> CpuKernels | None:
+def build_cpu_kernels(cache_dir: str | Path, compiler: str = "", isa: CpuIsa | None = None) -> CpuKernels | None:
     """Compile (once per source version, with ``compiler`` or else cc or gcc) and load the kernels;
-    None if this machine cannot."""
-    if not cpu_has_avx2():
-        log.warning("CPU without AVX2/FMA/F16C: using torch's matmul kernels")
+    None if this machine cannot (``isa``: the level Anna runs at; by default the CPU's own)."""
+    if not (isa or detect_isa()).has("avx2"):
+        log.warning("CPU without AVX2/FMA/F16C (or --cpu-isa none): using torch's matmul kernels")
         return None
     compiler = shutil.which(compiler or "cc") or shutil.which("gcc")
     sources = b"".join(p.read_bytes() for p in SOURCES + HEADERS)

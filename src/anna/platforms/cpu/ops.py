@@ -33,7 +33,7 @@ class CpuTorchOps(ModelOps):
             return super().linear(layer, x)
         rows = x.numel() // x.shape[-1]
         if 0 < self.routing.upcast_min_rows <= rows:
-            return _upcast_linear(self, layer, x, w)
+            return _large_linear(self, layer, x, w)
         with self.region(layer.profile_name or "matmul:torch_half"):
             return F.linear(x.to(w.dtype), w, layer.bias).to(x.dtype)
 
@@ -67,11 +67,12 @@ class CpuKernelOps(CpuTorchOps):
         if self.streams_weight(layer, rows):
             with self.region(layer.profile_name or "matmul:anna_gemv"):
                 return self.kernels.gemv(x, w, layer.bias).to(x.dtype)
-        if layer.interleaved:  # a large M: torch's GEMM on the row-major weight, converted in C
-            return _upcast_linear(self, layer, x, self.kernels.deinterleave(w))
+        if layer.interleaved:  # a large M: torch's GEMM on a row-major copy (in fp32 converted in C, or in bf16)
+            bf16 = self.routing.bf16_matmul and w.dtype == torch.bfloat16
+            return _large_linear(self, layer, x, self.kernels.deinterleave(w, keep_dtype=bf16))
         if w.dtype == x.dtype:
             return ModelOps.linear(self, layer, x)
-        return _upcast_linear(self, layer, x, w)
+        return _large_linear(self, layer, x, w)
 
     def dequantize(self, layer: Any, rows: torch.Tensor | None = None) -> torch.Tensor:
         if not layer.interleaved:
@@ -170,7 +171,14 @@ def _pointer_tables(moe: Any) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Ten
     return moe.kernel_tables[1], moe.kernel_tables[2]
 
 
-def _upcast_linear(ops: ModelOps, layer: Any, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def _large_linear(ops: ModelOps, layer: Any, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """A matmul of many rows on a half-precision row-major weight (fp32 activations): in bf16 where
+    the CPU computes bf16 in hardware (oneDNN's AVX512-BF16 / AMX kernels, several times fp32's
+    rate), else in fp32 with the weight converted."""
+    if ops.routing.bf16_matmul and w.dtype == torch.bfloat16:
+        with ops.region(layer.profile_name or "matmul:torch_bf16"):
+            out = F.linear(x.to(torch.bfloat16), w).to(x.dtype)
+            return out if layer.bias is None else out.add_(layer.bias.to(x.dtype))
     with ops.region(layer.profile_name or "matmul:torch_fp32_upcast"):
         bias = None if layer.bias is None else layer.bias.float()
         return F.linear(x.float(), w.float(), bias).to(x.dtype)

@@ -191,6 +191,18 @@ void anna_deinterleave_rows(const void *w, int wtype, long N, long K, float *out
         for (long k = 0; k < K; k += 8) _mm256_storeu_ps(out + n * K + k, load8(w, wtype, n * K + k));
 }
 
+/* The same for a 16-bit weight (bf16 / fp16) kept in its own type: the operand of a bf16 GEMM. */
+void anna_deinterleave_rows16(const uint16_t *w, long N, long K, uint16_t *out, int threads) {
+    long blocks = N / PACK_ROWS, full = blocks * PACK_ROWS;
+    #pragma omp parallel for num_threads(threads)
+    for (long b = 0; b < blocks; b++)
+        for (long k = 0; k < K; k += 8)
+            for (int r = 0; r < PACK_ROWS; r++)
+                _mm_storeu_si128((__m128i *)(out + (b * PACK_ROWS + r) * K + k),
+                                 _mm_loadu_si128((const __m128i *)(w + b * PACK_ROWS * K + k * PACK_ROWS + r * 8)));
+    for (long i = full * K; i < N * K; i++) out[i] = w[i];
+}
+
 /* ---- fused elementwise kernels for decode: one call instead of a chain of small torch ops ---- */
 
 /* exp(x), 8 lanes: 2^n * p(r) with r = x - n ln 2 (Cephes' polynomial; relative error ~2e-7,

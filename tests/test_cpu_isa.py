@@ -1,0 +1,122 @@
+"""The x86 kernel level: read from /proc/cpuinfo's text (the three CPUs this machine class has
+come as), forced down by cpu_isa, refused above what the CPU has; and what the level routes: from
+avx512_bf16 on, large bf16 matmuls run in bf16, checked against torch and, through a bf16 model,
+against transformers' bf16 logits on every machine (torch computes bf16 anywhere; the level only
+decides whether Anna asks it to)."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from anna.platforms.cpu.isa import LEVELS, detect_isa
+
+COMMON = "fpu vme de pse tsc msr pae mce cx8 apic sep mtrr sse sse2 ssse3 sse4_1 sse4_2 popcnt avx"
+ZEN3 = COMMON + " fma f16c avx2 bmi1 bmi2"
+ZEN4 = ZEN3 + " avx512f avx512dq avx512ifma avx512cd avx512bw avx512vl avx512_bf16 avx512vbmi avx512_vnni"
+SAPPHIRE = ZEN4 + " avx512_fp16 amx_bf16 amx_tile amx_int8 avx_vnni"
+
+
+def cpuinfo(flags: str, name: str = "Test CPU", model: int = 1) -> str:
+    entry = f"processor\t: 0\nvendor_id\t: x\ncpu family\t: 25\nmodel\t\t: {model}\nmodel name\t: {name}\nflags\t\t: {flags}\n"
+    return entry + "\n" + entry.replace("processor\t: 0", "processor\t: 1")
+
+
+@pytest.mark.parametrize("flags, level", [(COMMON, "none"), (ZEN3, "avx2"), (ZEN4, "avx512_bf16"),
+                                          (SAPPHIRE, "amx"), (ZEN3 + " avx512f avx512bw avx512dq avx512vl", "avx512"),
+                                          (ZEN4.replace(" avx512_bf16", ""), "avx512_vnni")])
+def test_levels_from_cpuinfo(flags, level):
+    isa = detect_isa(cpuinfo(flags, "AMD Ryzen", 97))
+    assert isa.available == isa.level == level
+    assert isa.bf16_matmul == (level in ("avx512_bf16", "amx"))
+    assert "AMD Ryzen (family 25 model 97)" in isa.describe() and f"kernel level {level}" in isa.describe()
+
+
+def test_a_level_is_forced_down_never_up():
+    for level in ("avx2", "avx512", "avx512_vnni", "avx512_bf16", "none"):
+        isa = detect_isa(cpuinfo(SAPPHIRE), force=level)
+        assert isa.level == level and isa.available == "amx"
+        assert "forced by cpu_isa" in isa.describe()
+    assert not detect_isa(cpuinfo(SAPPHIRE), force="avx2").bf16_matmul
+    with pytest.raises(ValueError, match="^cpu_isa: .* up to avx2, not amx"):
+        detect_isa(cpuinfo(ZEN3), force="amx")
+    with pytest.raises(ValueError, match="^cpu_isa: .* up to none, not avx2"):
+        detect_isa(cpuinfo(COMMON), force="avx2")
+    assert detect_isa("").level == "none"  # no /proc/cpuinfo: torch's kernels only
+
+
+def test_this_machine_and_the_engine_agree(qwen2_dir, cache_dir):
+    """The engine's routing follows the level detected here; forced to avx2 it takes today's path."""
+    from anna import LLM
+
+    here = detect_isa()
+    assert here.level in ("none", *LEVELS)
+    for force, bf16 in (("auto", here.bf16_matmul), ("avx2", False)):
+        if force == "avx2" and not here.has("avx2"):
+            continue
+        llm = LLM(str(qwen2_dir), dtype="bfloat16", device="cpu", cache_dir=str(cache_dir), max_model_len=256,
+                  num_gpu_blocks_override=32, cpu_isa=force)
+        assert llm.llm_engine.runner.model.norm.ops.routing.bf16_matmul == bf16  # (one ops object for all layers)
+    with pytest.raises(ValueError, match="^cpu_isa:"):
+        LLM(str(qwen2_dir), cpu_isa="sse9", device="cpu", cache_dir=str(cache_dir))
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_bf16_large_matmul_is_torchs_bf16_matmul(bias):
+    """bf16_matmul: the activations rounded to bf16, one bf16 GEMM, the bias added in fp32; off:
+    the fp32 GEMM on the converted weight."""
+    from types import SimpleNamespace
+
+    from anna.model.ops import LinearRouting
+    from anna.platforms.cpu.ops import CpuTorchOps, _large_linear
+
+    torch.manual_seed(0)
+    w = torch.randn(96, 64).to(torch.bfloat16)
+    layer = SimpleNamespace(weight=w, bias=torch.randn(96) if bias else None, profile_name=None, interleaved=False)
+    x = torch.randn(200, 64)
+    on = _large_linear(CpuTorchOps(routing=LinearRouting(bf16_matmul=True)), layer, x, w)
+    off = _large_linear(CpuTorchOps(routing=LinearRouting(bf16_matmul=False)), layer, x, w)
+    want_on = F.linear(x.to(torch.bfloat16), w).float() + (layer.bias if bias else 0)
+    want_off = F.linear(x, w.float(), layer.bias)
+    assert on.dtype == off.dtype == torch.float32
+    torch.testing.assert_close(on, want_on, rtol=0, atol=0)
+    torch.testing.assert_close(off, want_off, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(on, off, rtol=0.05, atol=0.1)  # the same matmul, at bf16's precision
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3_moe"])
+def test_bf16_prefill_logits_stay_with_transformers(arch, hf_models, cache_dir, tmp_path):
+    """A bf16 checkpoint, a 200-token prompt (every matmul past the weight-streaming kernel's 128
+    rows): Anna's prefill logits, with large bf16 matmuls in bf16 and in fp32, are no farther from
+    the exact result (transformers in fp32 on the same bf16 weights) than transformers' own bf16
+    run is, and pick the same top token as often."""
+    from anna import LLM
+    from conftest import VOCAB, save_hf_model
+    from helpers import hf_logits, run_logits
+
+    hf = copy.deepcopy(hf_models[arch][0]).to(torch.bfloat16)  # (the session's model stays fp32)
+    path = save_hf_model(hf, tmp_path / arch)
+    torch.manual_seed(0)
+    prompt = torch.randint(3, VOCAB, (200,)).tolist()
+    hf_bf16 = hf_logits(hf, prompt)[: len(prompt)]
+    exact = hf_logits(hf.float(), prompt)[: len(prompt)]
+    got = {}
+    for bf16 in (True, False):
+        llm = LLM(str(path), dtype="bfloat16", device="cpu", cache_dir=str(cache_dir), max_model_len=512,
+                  num_gpu_blocks_override=64)
+        ops = llm.llm_engine.runner.model.norm.ops  # the one ops object every layer calls
+        ops.routing = dataclasses.replace(ops.routing, bf16_matmul=bf16)
+        got[bf16] = run_logits(llm.llm_engine, prompt, 0)[0][: len(prompt)].float()
+
+    def error(logits: torch.Tensor) -> tuple[float, float]:
+        return (logits - exact).abs().max().item(), (logits.argmax(-1) == exact.argmax(-1)).float().mean().item()
+
+    hf_err, hf_agree = error(hf_bf16)
+    for bf16, logits in got.items():
+        err, agree = error(logits)
+        assert err <= 1.1 * hf_err + 1e-3 and agree >= hf_agree - 0.02, (bf16, err, hf_err, agree, hf_agree)
+    assert not torch.equal(got[True], got[False])  # the two paths really differ
