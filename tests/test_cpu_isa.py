@@ -50,7 +50,9 @@ def test_a_level_is_forced_down_never_up():
 
 
 def test_this_machine_and_the_engine_agree(qwen2_dir, cache_dir):
-    """The engine's routing follows the level detected here; forced to avx2 it takes today's path."""
+    """The engine's routing follows the level detected here (a bf16 model: bf16 large matmuls and
+    bf16 prefill attention where the CPU computes bf16 in hardware); forced to avx2 it takes
+    today's path."""
     from anna import LLM
 
     here = detect_isa()
@@ -60,7 +62,9 @@ def test_this_machine_and_the_engine_agree(qwen2_dir, cache_dir):
             continue
         llm = LLM(str(qwen2_dir), dtype="bfloat16", device="cpu", cache_dir=str(cache_dir), max_model_len=256,
                   num_gpu_blocks_override=32, cpu_isa=force)
-        assert llm.llm_engine.runner.model.norm.ops.routing.bf16_matmul == bf16  # (one ops object for all layers)
+        ops = llm.llm_engine.runner.model.norm.ops  # (one ops object for all layers)
+        assert ops.routing.bf16_matmul == bf16
+        assert ops.attention_dtype == (torch.bfloat16 if bf16 else torch.float32)  # prefill attention follows
     with pytest.raises(ValueError, match="^cpu_isa:"):
         LLM(str(qwen2_dir), cpu_isa="sse9", device="cpu", cache_dir=str(cache_dir))
 

@@ -117,9 +117,10 @@ class Platform:
         return self.name
 
     # ---- execution ----
-    def build_ops(self, cpu: Any, quant: QuantFormat, profiler: Any, cache_dir: str = "~/.cache/anna") -> ModelOps:
+    def build_ops(self, cpu: Any, quant: QuantFormat, profiler: Any, cache_dir: str = "~/.cache/anna",
+                  weight_dtype: torch.dtype | None = None) -> ModelOps:
         """The ops the model's layers are built with (``cpu``: the cpu settings section;
-        ``cache_dir``: where compiled kernels are kept)."""
+        ``cache_dir``: where compiled kernels are kept; ``weight_dtype``: the model's)."""
         return ModelOps(quant, linear_routing(cpu), profiler)
 
     def kernel_layout(self, ops: ModelOps) -> str:

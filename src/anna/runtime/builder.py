@@ -99,7 +99,7 @@ def build_engine_parts(s: ResolvedSettings, show_progress: bool = True) -> Engin
     log.info("Resolved settings:\n%s", s.table())
     sampling_defaults = _sampling_defaults(m.generation_config, model_dir)
     profiler = RuntimeProfiler(platform) if ex.profile_runtime else None
-    ops = platform.build_ops(cpu, QuantFormat(m.quantization, m.int4_group_size), profiler, m.cache_dir)
+    ops = platform.build_ops(cpu, QuantFormat(m.quantization, m.int4_group_size), profiler, m.cache_dir, dtype)
     model = load_model(model_dir, cfg, dtype=dtype, platform=platform, ops=ops,
                        max_positions=max(max_model_len, cfg.max_position_embeddings),
                        pipeline_workers=m.weight_load_pipeline_workers, activation_dtype=act_dtype,
