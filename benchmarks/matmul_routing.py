@@ -8,7 +8,8 @@ crossovers set the routing defaults (cpu_gemv_max_rows, cpu_upcast_min_rows).
 
 Strategies: torch_native (F.linear in the weight dtype), torch_fp32_upcast (weights converted to
 fp32 per call, fp32 GEMM), anna_gemv (Anna's weight-streaming kernel). With --quantization:
-packed (Anna's kernel reading int8/int4) and dequant (unpack to fp32, then a dense GEMM). Each
+packed (Anna's kernel reading int8/int4), dequant (unpack to fp32, then a dense GEMM) and
+dequant_bf16 (the same GEMM in bf16, as on CPUs with AVX512-BF16 or AMX). Each
 weight set is larger than the CPU caches, as in a real forward pass.
 """
 
@@ -48,6 +49,7 @@ def main() -> None:
     ap.add_argument("--cache-dir", default="~/.cache/anna")
     ap.add_argument("--quantization", choices=["none", "int8", "int4"], default="none")
     ap.add_argument("--int4-group-size", type=int, default=32)
+    ap.add_argument("--ms", default=",".join(map(str, MS)), help="The M values to time, comma-separated.")
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
     kernels = build_cpu_kernels(args.cache_dir)
@@ -59,6 +61,9 @@ def main() -> None:
         strategies = {
             "packed": lambda x, w: kernels.qgemm(x, w[0], w[1], kind, group, None),
             "dequant": lambda x, w: F.linear(x, kernels.dequant(w[0], w[1], kind, group, x.shape[-1])),
+            # what a bf16 model runs on a CPU with hardware bf16 (--cpu-isa avx512_bf16 or amx)
+            "dequant_bf16": lambda x, w: F.linear(x.to(torch.bfloat16), kernels.dequant(
+                w[0], w[1], kind, group, x.shape[-1]).to(torch.bfloat16)).float(),
         }
     else:
         strategies = {
@@ -81,7 +86,7 @@ def main() -> None:
     for name, (n, k) in SHAPES.items():
         copies = max(2, int((256 << 20) // (n * k * bytes_per_weight)))  # ~256 MiB of weights (per layout)
         weights = [make(n, k) for _ in range(copies)]
-        for m in MS:
+        for m in map(int, args.ms.split(",")):
             x = torch.randn(m, k)
             for strat, fn in strategies.items():
                 if strat == "anna_gemv" and m > 128:

@@ -65,6 +65,9 @@ def test_this_machine_and_the_engine_agree(qwen2_dir, cache_dir):
         ops = llm.llm_engine.runner.model.norm.ops  # (one ops object for all layers)
         assert ops.routing.bf16_matmul == bf16
         assert ops.attention_dtype == (torch.bfloat16 if bf16 else torch.float32)  # prefill attention follows
+    fp32 = LLM(str(qwen2_dir), dtype="float32", device="cpu", cache_dir=str(cache_dir), max_model_len=256,
+               num_gpu_blocks_override=32)
+    assert not fp32.llm_engine.runner.model.norm.ops.routing.bf16_matmul  # an fp32 model stays in fp32
     with pytest.raises(ValueError, match="^cpu_isa:"):
         LLM(str(qwen2_dir), cpu_isa="sse9", device="cpu", cache_dir=str(cache_dir))
 
@@ -124,3 +127,26 @@ def test_bf16_prefill_logits_stay_with_transformers(arch, hf_models, cache_dir, 
         err, agree = error(logits)
         assert err <= 1.1 * hf_err + 1e-3 and agree >= hf_agree - 0.02, (bf16, err, hf_err, agree, hf_agree)
     assert not torch.equal(got[True], got[False])  # the two paths really differ
+
+
+def test_int4_dequantized_gemm_in_bf16_stays_with_fp32(hf_models, cache_dir, tmp_path):
+    """A bf16 checkpoint quantized to int4, a 200-token prefill (past the packed kernel's M limit,
+    set low here): the dequantized GEMM in bf16 gives the fp32 one's logits within 1% (norm),
+    far below int4's own error."""
+    from anna import LLM
+    from conftest import VOCAB, save_hf_model
+    from helpers import run_logits
+
+    path = save_hf_model(copy.deepcopy(hf_models["qwen2"][0]).to(torch.bfloat16), tmp_path / "qwen2")
+    torch.manual_seed(0)
+    prompt = torch.randint(3, VOCAB, (200,)).tolist()
+    got = {}
+    for bf16 in (True, False):
+        llm = LLM(str(path), dtype="bfloat16", device="cpu", cache_dir=str(cache_dir), max_model_len=512,
+                  num_gpu_blocks_override=64, quantization="int4", int4_gemv_m_threshold=16,
+                  int4_cache_dir=str(tmp_path / "int4"))
+        ops = llm.llm_engine.runner.model.norm.ops
+        ops.routing = dataclasses.replace(ops.routing, bf16_matmul=bf16)
+        got[bf16] = run_logits(llm.llm_engine, prompt, 0)[0][: len(prompt)].float()
+    rel = ((got[True] - got[False]).norm() / got[False].norm()).item()
+    assert 0 < rel < 0.01, rel

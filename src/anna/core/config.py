@@ -103,8 +103,9 @@ class ServeSettings:
         "auto", "int4 execution: packed (kernel reads int4), dequant (unpack + dense GEMM), auto (by M).",
         choices=("auto", "packed", "dequant"), aliases=("xpu_int4_matmul",))
     int4_gemv_m_threshold: int | None = _setting(
-        2048, "int4 auto routing: matmuls with M <= this use the packed kernel, larger ones dequant; 0 = always dequant.",
-        aliases=("xpu_int4_gemv_m_threshold",))
+        -1, "int4 auto routing: matmuls with M <= this use the packed kernel, larger ones dequant; 0 = always "
+            "dequant; -1 = by the CPU: 2048 where the dequantized GEMM runs in fp32, 128 where a bf16 model's runs "
+            "in bf16 on AVX512-BF16/AMX (cpu_isa).", minimum=-1, aliases=("xpu_int4_gemv_m_threshold",))
     int4_cache_dir: str | None = _setting(
         "", "Where the int4 layout cache lives; empty = {model}/.anna/int4_cache (user cache dir if read-only).")
     int4_cache_load_workers: int | None = _setting(8, "Threads that read (and verify) the int4 layout cache.",

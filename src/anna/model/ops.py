@@ -40,8 +40,9 @@ class LinearRouting:
     upcast_min_rows: int = 8  # CPU without Anna's kernels: from this M on, half matmuls run in fp32
     int4_matmul: str = "auto"  # auto | packed | dequant
     int4_gemv_m_threshold: int = 2048  # auto: the packed int4 kernel for M <= this
-    # CPU: matmuls beyond the weight-streaming kernel on bf16 weights run in bf16 (hardware bf16:
-    # AVX512-BF16 or AMX, platforms/cpu/isa.py) instead of converting the weights to fp32
+    # CPU, a bf16 model on hardware bf16 (AVX512-BF16 or AMX, platforms/cpu/isa.py): matmuls beyond
+    # the weight-streaming and packed kernels run in bf16 (dense weights as they are, quantized ones
+    # dequantized to bf16) instead of in fp32
     bf16_matmul: bool = False
 
 

@@ -139,11 +139,17 @@ class Platform:
         return getattr(torch, self.name)
 
 
+# int4_gemv_m_threshold -1: the packed int4 kernel up to this M, by whether the dequantized GEMM
+# runs in fp32 or in bf16 (benchmarks/matmul_routing.py --quantization int4: in fp32 the packed
+# kernel is the faster up to 2048; on AMX it is up to M = 112 and the bf16 GEMM from 128 on)
+INT4_PACKED_MAX_ROWS = {False: 2048, True: 128}
+
+
 def linear_routing(cpu: Any, bf16_matmul: bool = False) -> LinearRouting:
     """The matmul routing thresholds of the cpu settings section (``bf16_matmul``: what the CPU's
-    instruction sets allow, platforms/cpu/isa.py)."""
-    return LinearRouting(cpu.cpu_gemv_max_rows, cpu.cpu_upcast_min_rows, cpu.int4_matmul, cpu.int4_gemv_m_threshold,
-                         bf16_matmul)
+    instruction sets allow for this model, platforms/cpu/isa.py)."""
+    threshold = cpu.int4_gemv_m_threshold if cpu.int4_gemv_m_threshold >= 0 else INT4_PACKED_MAX_ROWS[bf16_matmul]
+    return LinearRouting(cpu.cpu_gemv_max_rows, cpu.cpu_upcast_min_rows, cpu.int4_matmul, threshold, bf16_matmul)
 
 
 def no_graph_reason(profiling: bool, model: Any) -> str | None:

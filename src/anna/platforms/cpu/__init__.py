@@ -126,8 +126,9 @@ class CpuPlatform(Platform):
 
     def build_ops(self, cpu: Any, quant: QuantFormat, profiler: Any, cache_dir: str = "~/.cache/anna",
                   weight_dtype: torch.dtype | None = None) -> ModelOps:
-        """``weight_dtype``: the model's; a bf16 model on a CPU with hardware bf16 also runs its
-        prefill attention in bf16 (oneDNN's kernels, about twice fp32's speed at 2,048 tokens)."""
+        """``weight_dtype``: the model's. A bf16 model (quantized or not) on a CPU with hardware
+        bf16 runs its large matmuls and its prefill attention in bf16 (oneDNN's kernels: several
+        times fp32's rate for the matmuls, about twice for attention at 2,048 tokens)."""
         from anna.platforms.cpu.isa import detect_isa
         from anna.platforms.cpu.kernels import build_cpu_kernels
         from anna.platforms.cpu.ops import CpuKernelOps, CpuTorchOps
@@ -135,13 +136,13 @@ class CpuPlatform(Platform):
         isa = detect_isa(force=cpu.cpu_isa)
         log.info(isa.describe())
         kernels = build_cpu_kernels(cache_dir, cpu.cpu_kernel_compiler, isa) if cpu.cpu_kernels else None
-        routing = linear_routing(cpu, bf16_matmul=isa.bf16_matmul)
+        routing = linear_routing(cpu, bf16_matmul=isa.bf16_matmul and weight_dtype == torch.bfloat16)
         ops = CpuTorchOps(quant, routing, profiler) if kernels is None else CpuKernelOps(kernels, quant, routing, profiler)
-        if routing.bf16_matmul and weight_dtype == torch.bfloat16:
+        if routing.bf16_matmul:
             ops.attention_dtype = torch.bfloat16
         log.info("CPU kernels: %s; larger bf16 matmuls: %s; prefill attention: %s",
                  f"Anna's (matmuls up to M={cpu.cpu_gemv_max_rows})" if kernels else "torch's",
-                 "bf16 (oneDNN, hardware bf16)" if routing.bf16_matmul else "fp32 (weights converted)",
+                 "bf16 (oneDNN, hardware bf16)" if routing.bf16_matmul else "fp32",
                  str(ops.attention_dtype).removeprefix("torch."))
         return ops
 

@@ -38,6 +38,16 @@ class CpuTorchOps(ModelOps):
             return F.linear(x.to(w.dtype), w, layer.bias).to(x.dtype)
 
 
+    def quant_linear(self, layer: Any, x: torch.Tensor) -> torch.Tensor:
+        """The dequantized GEMM, in bf16 where the routing says so (rounding the dequantized weight
+        to bf16 costs well under int4's own error)."""
+        if not self.routing.bf16_matmul:
+            return super().quant_linear(layer, x)
+        with self.region("dequantize"):
+            w = self.dequantize(layer).to(torch.bfloat16)
+        return _large_linear(self, layer, x, w)
+
+
 class CpuKernelOps(CpuTorchOps):
     """Anna's C kernels: weight-streaming and packed quantized matmuls, fused norms, rotary, the
     gated activation, paged decode attention, the Gated DeltaNet decode steps and the greedy argmax."""
