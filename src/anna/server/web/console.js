@@ -99,7 +99,22 @@ async function send(text) {
   $("send").disabled = true;
   $("stop").disabled = false;
   const started = performance.now();
-  let first = null, usage = null, finish = null, text_ = "";
+  let first = null, usage = null, finish = null, text_ = "", thought = "";
+  // The text is shown at most once per frame, whatever the token rate: a long answer must not
+  // make the page (and its Stop button) slow to respond.
+  let painting = false;
+  const paint = () => {
+    painting = false;
+    if (thought) {
+      reasoning.parentElement.classList.remove("hidden");
+      reasoning.textContent = thought;
+    }
+    answer.textContent = text_;
+    el.scrollIntoView({ block: "end" });
+  };
+  const schedulePaint = () => {
+    if (!painting) { painting = true; requestAnimationFrame(paint); }
+  };
   try {
     const response = await fetch("/v1/chat/completions", {
       method: "POST", headers: headers({ "Content-Type": "application/json" }), body: JSON.stringify(body),
@@ -126,17 +141,15 @@ async function send(text) {
           const delta = choice.delta || {};
           if (delta.reasoning_content) {
             first = first ?? performance.now();
-            reasoning.parentElement.classList.remove("hidden");
-            reasoning.textContent += delta.reasoning_content;
+            thought += delta.reasoning_content;
           }
           if (delta.content) {
             first = first ?? performance.now();
             text_ += delta.content;
-            answer.textContent = text_;
           }
           if (choice.finish_reason) finish = choice.finish_reason;
         }
-        el.scrollIntoView({ block: "end" });
+        schedulePaint();
       }
     }
   } catch (error) {
@@ -153,6 +166,7 @@ async function send(text) {
     state.abort = null;
     $("send").disabled = false;
     $("stop").disabled = true;
+    paint();
   }
   state.history.push({ role: "assistant", content: text_ });
   const ended = performance.now();
