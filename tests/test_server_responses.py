@@ -113,9 +113,9 @@ def test_the_store_keeps_only_the_newest():
 
     store = ResponseStore(2)
     for i in range(3):
-        store.put(StoredResponse({"id": f"r{i}"}, [{"role": "user", "content": str(i)}], [{"type": "message"}]))
+        store.put(StoredResponse({"id": f"r{i}", "output": [{"type": "message"}]}, [{"role": "user", "content": str(i)}]))
     assert store.get("r0") is None and store.get("r1") and store.get("r2")
     assert store.get("r2").conversation == [{"role": "user", "content": "2"}, {"type": "message"}]
     empty = ResponseStore(0)
-    empty.put(StoredResponse({"id": "x"}, [], []))
+    empty.put(StoredResponse({"id": "x", "output": []}, []))
     assert empty.get("x") is None

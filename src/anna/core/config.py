@@ -338,11 +338,15 @@ class ResolvedSettings:
         files are read), and where it came from."""
         return ResolvedSettings(dataclasses.replace(self.values, **{name: value}), {**self.sources, name: source})
 
+    def rows(self) -> list[tuple[str, Any, str]]:
+        """(name, value, source) of every setting, in declaration order; the API key's value shows
+        only whether one is set."""
+        return [(f.name, ("<set>" if self.values.api_key else "") if f.name == "api_key"
+                 else getattr(self.values, f.name), self.sources[f.name]) for f in dataclasses.fields(ServeSettings)]
+
     def table(self) -> str:
         """One line per setting: name, value, source. Logged at start."""
-        rows = [(f.name, repr(getattr(self.values, f.name)), self.sources[f.name])
-                for f in dataclasses.fields(ServeSettings) if f.name != "api_key"]
-        rows.append(("api_key", "<set>" if self.values.api_key else "''", self.sources["api_key"]))
+        rows = [(name, repr(value), source) for name, value, source in self.rows()]
         width = max(len(r[0]) for r in rows)
         vwidth = max(len(r[1]) for r in rows)
         return "\n".join(f"  {n:<{width}}  {v:<{vwidth}}  ({s})" for n, v, s in rows)

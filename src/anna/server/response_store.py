@@ -11,14 +11,13 @@ from typing import Any
 
 @dataclass(frozen=True)
 class StoredResponse:
-    response: dict[str, Any]  # the response object as it was returned
+    response: dict[str, Any]  # the response object as it was returned (its output items included)
     input_items: list[dict[str, Any]]  # the conversation it answered, oldest first
-    output: list[dict[str, Any]]  # its output items
 
     @property
     def conversation(self) -> list[dict[str, Any]]:
         """What a response that continues this one starts from."""
-        return self.input_items + self.output
+        return self.input_items + self.response["output"]
 
 
 class ResponseStore:

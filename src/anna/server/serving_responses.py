@@ -142,7 +142,7 @@ async def serve_responses(state: ServerState, request: Request) -> Response:
 
     def keep(response: dict[str, Any]) -> None:
         if req.store is not False:
-            state.responses.put(StoredResponse(response, items, response["output"]))
+            state.responses.put(StoredResponse(response, items))
 
     if req.stream:
         return StreamingResponse(response_events(run, shell, keep), media_type="text/event-stream")
@@ -158,12 +158,17 @@ async def serve_responses(state: ServerState, request: Request) -> Response:
     return JSONResponse(response)
 
 
-def serve_stored_response(state: ServerState, response_id: str, delete: bool = False) -> Response:
-    """GET /v1/responses/{id} (the response as it was returned) and DELETE (forget it)."""
+def _stored(state: ServerState, response_id: str) -> StoredResponse:
     stored = state.responses.get(response_id)
     if stored is None:
         raise APIError(404, f"response_id: no response {response_id!r} is stored", param="response_id",
                        code="not_found")
+    return stored
+
+
+def serve_stored_response(state: ServerState, response_id: str, delete: bool = False) -> Response:
+    """GET /v1/responses/{id} (the response as it was returned) and DELETE (forget it)."""
+    stored = _stored(state, response_id)
     if delete:
         state.responses.delete(response_id)
         return JSONResponse({"id": response_id, "object": "response", "deleted": True})
@@ -173,10 +178,7 @@ def serve_stored_response(state: ServerState, response_id: str, delete: bool = F
 def serve_input_items(state: ServerState, response_id: str) -> Response:
     """GET /v1/responses/{id}/input_items: the conversation that response answered, newest first
     as OpenAI lists them."""
-    stored = state.responses.get(response_id)
-    if stored is None:
-        raise APIError(404, f"response_id: no response {response_id!r} is stored", param="response_id",
-                       code="not_found")
+    stored = _stored(state, response_id)
     data = [_as_item(item, i) for i, item in enumerate(stored.input_items)][::-1]
     return JSONResponse({"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
                          "last_id": data[-1]["id"] if data else None, "has_more": False})

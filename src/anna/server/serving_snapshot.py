@@ -44,9 +44,7 @@ def snapshot_json(state: ServerState) -> dict[str, Any]:
         "memory": {"kv_resident_bytes": snap.kv_resident_bytes, "releases": snap.memory_releases},
         "speculative": {"drafts": stats.spec.num_drafts, "draft_tokens": stats.spec.num_draft_tokens,
                         "accepted_tokens": stats.spec.num_accepted_tokens},
-        "settings": [{"name": name, "value": "<set>" if name == "api_key" and value else value,
-                      "source": settings.sources[name]}
-                     for name, value in ((n, getattr(settings, n)) for n in settings.sources)],
+        "settings": [{"name": name, "value": value, "source": source} for name, value, source in settings.rows()],
     }
 
 

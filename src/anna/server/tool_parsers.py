@@ -329,6 +329,7 @@ class TrailingToolParser(ToolParser):
     def __init__(self, tools: list[dict[str, Any]] | None = None) -> None:
         super().__init__(tools)
         self.no_calls = False  # decided: this output holds no calls
+        self._read_cache: tuple[str, tuple[list[ParsedToolCall], tuple[str, str] | None]] | None = None
 
     def _start(self, text: str) -> int | None:
         """Where calls start in the undecided text: the marker's index, -1 not yet (all of the text
@@ -364,9 +365,15 @@ class TrailingToolParser(ToolParser):
             return content, self._completed()
         return content, []
 
+    def _read_buffer(self) -> tuple[list[ParsedToolCall], tuple[str, str] | None]:
+        """_read of the buffer, once per buffer (feed, then the streamer's open_call, read it)."""
+        if self._read_cache is None or self._read_cache[0] != self.buffer:
+            self._read_cache = (self.buffer, self._read(self.buffer))
+        return self._read_cache[1]
+
     def _completed(self) -> list[ParsedToolCall]:
         """The calls the buffer completes beyond those already returned."""
-        calls, _ = self._read(self.buffer)
+        calls, _ = self._read_buffer()
         new = calls[len(self.calls):]
         self.calls.extend(new)
         return new
@@ -374,7 +381,7 @@ class TrailingToolParser(ToolParser):
     def open_call(self) -> tuple[str, str] | None:
         if not self.in_call:
             return None
-        calls, cut = self._read(self.buffer)
+        calls, cut = self._read_buffer()
         return cut if len(calls) == len(self.calls) else None
 
     def finish(self) -> tuple[str, list[ParsedToolCall]]:

@@ -85,7 +85,7 @@ class CpuKernels:
                    lib.anna_decode_layers, lib.anna_argmax_rows):
             fn.restype = None
         self.lib = lib
-        self._scratch = {torch.float32: torch.empty(0, dtype=torch.float32)}  # see _matmul_operand
+        self._scratch: dict[torch.dtype, torch.Tensor] = {}  # per dtype; see _matmul_operand
 
     @staticmethod
     def supports_weight(weight: torch.Tensor) -> bool:
