@@ -9,6 +9,8 @@ from __future__ import annotations
 import copy
 import dataclasses
 
+from typing import Any
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -72,27 +74,65 @@ def test_this_machine_and_the_engine_agree(qwen2_dir, cache_dir):
         LLM(str(qwen2_dir), cpu_isa="sse9", device="cpu", cache_dir=str(cache_dir))
 
 
+def _dense(out_features: int, in_features: int, bias: bool) -> Any:
+    from types import SimpleNamespace
+
+    return SimpleNamespace(weight=torch.randn(out_features, in_features).to(torch.bfloat16) / in_features ** 0.5,
+                           bias=torch.randn(out_features) if bias else None, profile_name=None, interleaved=False)
+
+
 @pytest.mark.parametrize("bias", [False, True])
 def test_the_bf16_large_matmul_is_torchs_bf16_matmul(bias):
     """bf16_matmul: the activations rounded to bf16, one bf16 GEMM, the bias added in fp32; off:
     the fp32 GEMM on the converted weight."""
-    from types import SimpleNamespace
-
     from anna.model.ops import LinearRouting
-    from anna.platforms.cpu.ops import CpuTorchOps, _large_linear
+    from anna.platforms.cpu.ops import CpuTorchOps
 
     torch.manual_seed(0)
-    w = torch.randn(96, 64).to(torch.bfloat16)
-    layer = SimpleNamespace(weight=w, bias=torch.randn(96) if bias else None, profile_name=None, interleaved=False)
+    layer = _dense(96, 64, bias)
     x = torch.randn(200, 64)
-    on = _large_linear(CpuTorchOps(routing=LinearRouting(bf16_matmul=True)), layer, x, w)
-    off = _large_linear(CpuTorchOps(routing=LinearRouting(bf16_matmul=False)), layer, x, w)
-    want_on = F.linear(x.to(torch.bfloat16), w).float() + (layer.bias if bias else 0)
-    want_off = F.linear(x, w.float(), layer.bias)
+    on = CpuTorchOps(routing=LinearRouting(bf16_matmul=True)).linear(layer, x)
+    off = CpuTorchOps(routing=LinearRouting(bf16_matmul=False)).linear(layer, x)
+    want_on = F.linear(x.to(torch.bfloat16), layer.weight).float() + (layer.bias if bias else 0)
+    want_off = F.linear(x, layer.weight.float(), layer.bias)
     assert on.dtype == off.dtype == torch.float32
     torch.testing.assert_close(on, want_on, rtol=0, atol=0)
     torch.testing.assert_close(off, want_off, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(on, off, rtol=0.05, atol=0.1)  # the same matmul, at bf16's precision
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_bf16_mlp_keeps_its_intermediate_in_bf16(bias):
+    """bf16_matmul: gate_up's output and the gated product stay bf16 (what transformers computes
+    for a bf16 model), only the block's output returns to fp32; off: the fp32 path."""
+    from anna.model.layers import GatedMLP
+    from anna.model.ops import LinearRouting
+    from anna.platforms.cpu.ops import CpuTorchOps
+
+    def mlp_on(ops: CpuTorchOps) -> GatedMLP:
+        torch.manual_seed(0)
+        mlp = GatedMLP(32, 48, bias, "silu", torch.bfloat16, ops)
+        for p in mlp.parameters():
+            p.data = (torch.randn(p.shape) / 6).to(p.dtype)
+        return mlp
+
+    x = torch.randn(200, 32)
+    mlp = mlp_on(CpuTorchOps(routing=LinearRouting(bf16_matmul=True)))
+    on = mlp(x)
+    off = mlp_on(CpuTorchOps(routing=LinearRouting(bf16_matmul=False)))(x)
+    gate_up = F.linear(x.to(torch.bfloat16), mlp.gate_up_proj.weight)
+    if bias:
+        gate_up += mlp.gate_up_proj.bias.to(torch.bfloat16)
+    gate, up = gate_up.chunk(2, dim=-1)
+    want_on = F.linear(F.silu(gate) * up, mlp.down_proj.weight).float() + (mlp.down_proj.bias.float() if bias else 0)
+    bias_of = {name: None if layer.bias is None else layer.bias.float()
+               for name, layer in (("gate_up", mlp.gate_up_proj), ("down", mlp.down_proj))}
+    h = F.linear(x, mlp.gate_up_proj.weight.float(), bias_of["gate_up"])
+    want_off = F.linear(F.silu(h[:, :48]) * h[:, 48:], mlp.down_proj.weight.float(), bias_of["down"])
+    assert on.dtype == off.dtype == torch.float32
+    torch.testing.assert_close(on, want_on, rtol=0, atol=0)
+    torch.testing.assert_close(off, want_off, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(on, off, rtol=0.05, atol=0.1)
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3_moe"])

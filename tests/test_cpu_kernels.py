@@ -105,6 +105,14 @@ def test_silu_mul_matches_torch(kernels, rows, width):
     gate_up[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -88.0])
     gate, up = gate_up.chunk(2, dim=-1)
     torch.testing.assert_close(kernels.silu_mul(gate_up), F.silu(gate) * up, rtol=2e-6, atol=1e-6)
+    # bf16 rows: the fp32 result of the same bf16 inputs, rounded once to bf16 (nearest even)
+    half = gate_up.to(torch.bfloat16)
+    got = kernels.silu_mul(half)
+    gate, up = half.float().chunk(2, dim=-1)
+    want = (gate / (1 + torch.exp(-gate)) * up).to(torch.bfloat16)
+    assert got.dtype == torch.bfloat16
+    assert ((got.float() - want.float()).abs() <= 2 ** -7 * want.float().abs() + 1e-30).all()
+    assert (got == want).float().mean() > 0.99  # (exp's approximation may land across a rounding edge)
 
 
 @pytest.mark.parametrize("width", [151936, 1003])  # a real vocabulary; a tail past the last 8

@@ -93,6 +93,11 @@ class ModelOps:
         with self.region(layer.profile_name or f"matmul:{fmt}_dequant_gemm"):
             return F.linear(x, w, None if layer.bias is None else layer.bias.to(x.dtype))
 
+    def gated_mlp(self, mlp: Any, x: torch.Tensor) -> torch.Tensor:
+        """down(silu(gate) * up) of a GatedMLP: one op, so that a platform can keep the wide
+        intermediate rows in its matmul dtype."""
+        return mlp.down_proj(self.silu_mul(mlp.gate_up_proj(x)))
+
     # ---- elementwise ----
     def add_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                     eps: float) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:

@@ -68,7 +68,7 @@ class CpuKernels:
         lib.anna_deinterleave_rows16.argtypes = [p, l, l, p, i]
         lib.anna_add_rmsnorm.argtypes = [p, p, p, i, p, l, l, f, i]
         lib.anna_rotary.argtypes = [p, l, l, l, l, p, p, p]
-        lib.anna_silu_mul.argtypes = [p, p, l, l, i]
+        lib.anna_silu_mul.argtypes = [p, p, l, l, i, i]
         lib.anna_paged_decode_attention.argtypes = [p, p, p, p, l, p, l, l, l, l, l, l, f, p, i]
         lib.anna_qgemm.argtypes = [p, p, p, i, l, p, p, l, l, l, i]
         lib.anna_qgemm_experts.argtypes = [p, p, p, p, p, l, i, l, p, l, l, i]
@@ -232,11 +232,13 @@ class CpuKernels:
         return out
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """silu(gate) * up for rows laid out [gate | up] (the fused gate_up matmul's output)."""
+        """silu(gate) * up for rows laid out [gate | up] (the fused gate_up matmul's output): bf16
+        rows give bf16 (computed in fp32), any other dtype fp32."""
         width = gate_up.shape[-1] // 2
-        rows = gate_up.contiguous()
-        out = torch.empty(*gate_up.shape[:-1], width, dtype=torch.float32)
-        self.lib.anna_silu_mul(rows.data_ptr(), out.data_ptr(), rows.numel() // (2 * width), width,
+        bf16 = gate_up.dtype == torch.bfloat16
+        rows = gate_up.contiguous() if bf16 else gate_up.float().contiguous()
+        out = torch.empty(*gate_up.shape[:-1], width, dtype=rows.dtype)
+        self.lib.anna_silu_mul(rows.data_ptr(), out.data_ptr(), rows.numel() // (2 * width), width, int(bf16),
                                torch.get_num_threads())
         return out
 

@@ -27,25 +27,50 @@ class CpuTorchOps(ModelOps):
 
     attention_dtype = torch.float32  # half-precision batched matmuls are slow without native support
 
+    def runs_bf16(self, layer: Any, rows: int) -> bool:
+        """Whether a matmul of ``rows`` rows runs as a bf16 GEMM (a bf16 model on hardware bf16:
+        dense bf16 weights as they are, quantized ones dequantized to bf16)."""
+        return self.routing.bf16_matmul and (isinstance(layer, QuantLinear) or layer.weight.dtype == torch.bfloat16)
+
+    def bf16_weight(self, layer: Any) -> torch.Tensor:
+        """The row-major bf16 weight of a layer that ``runs_bf16`` (a copy may be valid only until
+        the next call: see CpuKernels._matmul_operand)."""
+        if isinstance(layer, QuantLinear):
+            with self.region("dequantize"):
+                return self.dequantize(layer).to(torch.bfloat16)
+        return layer.weight
+
     def linear(self, layer: Any, x: torch.Tensor) -> torch.Tensor:
         w = layer.weight
         if w.dtype == x.dtype:
             return super().linear(layer, x)
         rows = x.numel() // x.shape[-1]
+        if self.runs_bf16(layer, rows):
+            return _with_bias(_bf16_matmul(self, layer, x).to(x.dtype), layer)
         if 0 < self.routing.upcast_min_rows <= rows:
-            return _large_linear(self, layer, x, w)
+            return _upcast_linear(self, layer, x, w)
         with self.region(layer.profile_name or "matmul:torch_half"):
             return F.linear(x.to(w.dtype), w, layer.bias).to(x.dtype)
-
 
     def quant_linear(self, layer: Any, x: torch.Tensor) -> torch.Tensor:
         """The dequantized GEMM, in bf16 where the routing says so (rounding the dequantized weight
         to bf16 costs well under int4's own error)."""
-        if not self.routing.bf16_matmul:
+        if not self.runs_bf16(layer, x.numel() // x.shape[-1]):
             return super().quant_linear(layer, x)
-        with self.region("dequantize"):
-            w = self.dequantize(layer).to(torch.bfloat16)
-        return _large_linear(self, layer, x, w)
+        return _with_bias(_bf16_matmul(self, layer, x).to(x.dtype), layer)
+
+    def gated_mlp(self, mlp: Any, x: torch.Tensor) -> torch.Tensor:
+        """Where both matmuls run in bf16, the [gate | up] rows and their product stay in bf16:
+        converting those M x 3I values to fp32 and back costs about what the GEMMs do."""
+        rows = x.numel() // x.shape[-1]
+        if not (self.runs_bf16(mlp.gate_up_proj, rows) and self.runs_bf16(mlp.down_proj, rows)):
+            return super().gated_mlp(mlp, x)
+        gate_up = _bf16_matmul(self, mlp.gate_up_proj, x)
+        if mlp.gate_up_proj.bias is not None:
+            gate_up += mlp.gate_up_proj.bias.to(torch.bfloat16)
+        with self.region("silu_mul"):
+            act = self.silu_mul(gate_up)
+        return _with_bias(_bf16_matmul(self, mlp.down_proj, act).to(x.dtype), mlp.down_proj)
 
 
 class CpuKernelOps(CpuTorchOps):
@@ -71,18 +96,28 @@ class CpuKernelOps(CpuTorchOps):
         r = self.routing
         return r.int4_matmul == "packed" or (r.int4_matmul == "auto" and rows <= r.int4_gemv_m_threshold)
 
+    def runs_bf16(self, layer: Any, rows: int) -> bool:
+        served = self.reads_packed if isinstance(layer, QuantLinear) else self.streams_weight
+        return not served(layer, rows) and super().runs_bf16(layer, rows)
+
+    def bf16_weight(self, layer: Any) -> torch.Tensor:
+        if isinstance(layer, QuantLinear) or not layer.interleaved:
+            return super().bf16_weight(layer)
+        return self.kernels.deinterleave(layer.weight, keep_dtype=True)
+
     def linear(self, layer: Any, x: torch.Tensor) -> torch.Tensor:
         w = layer.weight
         rows = x.numel() // x.shape[-1]
         if self.streams_weight(layer, rows):
             with self.region(layer.profile_name or "matmul:anna_gemv"):
                 return self.kernels.gemv(x, w, layer.bias).to(x.dtype)
-        if layer.interleaved:  # a large M: torch's GEMM on a row-major copy (in fp32 converted in C, or in bf16)
-            bf16 = self.routing.bf16_matmul and w.dtype == torch.bfloat16
-            return _large_linear(self, layer, x, self.kernels.deinterleave(w, keep_dtype=bf16))
+        if self.runs_bf16(layer, rows):
+            return _with_bias(_bf16_matmul(self, layer, x).to(x.dtype), layer)
+        if layer.interleaved:  # a large M: torch's fp32 GEMM on a row-major copy converted in C
+            return _upcast_linear(self, layer, x, self.kernels.deinterleave(w))
         if w.dtype == x.dtype:
             return ModelOps.linear(self, layer, x)
-        return _large_linear(self, layer, x, w)
+        return _upcast_linear(self, layer, x, w)
 
     def dequantize(self, layer: Any, rows: torch.Tensor | None = None) -> torch.Tensor:
         if not layer.interleaved:
@@ -181,14 +216,21 @@ def _pointer_tables(moe: Any) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Ten
     return moe.kernel_tables[1], moe.kernel_tables[2]
 
 
-def _large_linear(ops: ModelOps, layer: Any, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """A matmul of many rows on a half-precision row-major weight (fp32 activations): in bf16 where
-    the CPU computes bf16 in hardware (oneDNN's AVX512-BF16 / AMX kernels, several times fp32's
-    rate), else in fp32 with the weight converted."""
-    if ops.routing.bf16_matmul and w.dtype == torch.bfloat16:
-        with ops.region(layer.profile_name or "matmul:torch_bf16"):
-            out = F.linear(x.to(torch.bfloat16), w).to(x.dtype)
-            return out if layer.bias is None else out.add_(layer.bias.to(x.dtype))
+def _bf16_matmul(ops: CpuTorchOps, layer: Any, x: torch.Tensor) -> torch.Tensor:
+    """x W^T in bf16 (oneDNN's AVX512-BF16 / AMX kernels, several times fp32's rate), without the
+    bias; the output in bf16."""
+    w = ops.bf16_weight(layer)
+    with ops.region(layer.profile_name or "matmul:torch_bf16"):
+        return F.linear(x.to(torch.bfloat16), w)
+
+
+def _with_bias(out: torch.Tensor, layer: Any) -> torch.Tensor:
+    return out if layer.bias is None else out.add_(layer.bias.to(out.dtype))
+
+
+def _upcast_linear(ops: ModelOps, layer: Any, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """A matmul of many rows on a half-precision row-major weight where the CPU has no bf16
+    arithmetic: in fp32, the weight converted."""
     with ops.region(layer.profile_name or "matmul:torch_fp32_upcast"):
         bias = None if layer.bias is None else layer.bias.float()
         return F.linear(x.float(), w.float(), bias).to(x.dtype)

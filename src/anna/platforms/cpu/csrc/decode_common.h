@@ -11,7 +11,7 @@ void anna_qgemm(const float *x, const void *w, const void *ws, int kind, long G,
                 long M, long N, long K, int threads);
 void anna_add_rmsnorm(float *x, const float *delta, const void *w, int wtype, float *out, long rows, long dim,
                       float eps, int threads);
-void anna_silu_mul(const float *gate_up, float *out, long M, long I, int threads);
+void anna_silu_mul(const void *gate_up, void *out, long M, long I, int bf16, int threads);
 void anna_rotary(float *x, long row_stride, long tokens, long heads, long dim, const float *cos_table,
                  const float *sin_table, const long *positions);
 void anna_paged_decode_attention(const float *q, const float *k_cache, const float *v_cache, const long *tables,

@@ -120,7 +120,7 @@ void anna_decode_hybrid_layers(const AnnaHybridLayer *layers, long num_layers, c
         }
         anna_add_rmsnorm(residual, h, L->post_norm, 2, normed, M, hidden, eps, threads);
         linear(&L->gate_up, normed, gate_up, M, threads);
-        anna_silu_mul(gate_up, act, M, intermediate, threads);
+        anna_silu_mul(gate_up, act, M, intermediate, 0, threads);
         linear(&L->down, act, h, M, threads);
     }
     anna_add_rmsnorm(residual, h, final_norm, 2, out, M, hidden, eps, threads);

@@ -65,7 +65,7 @@ void anna_decode_layers(const AnnaLayer *layers, long num_layers, const float *e
         linear(&L->o, attn, h, M, threads);
         anna_add_rmsnorm(residual, h, L->post_norm, L->norm_wtype, normed, M, hidden, eps, threads);
         linear(&L->gate_up, normed, gate_up, M, threads);
-        anna_silu_mul(gate_up, act, M, intermediate, threads);
+        anna_silu_mul(gate_up, act, M, intermediate, 0, threads);
         linear(&L->down, act, h, M, threads);
     }
     anna_add_rmsnorm(residual, h, final_norm, layers[0].norm_wtype, out, M, hidden, eps, threads);
