@@ -13,6 +13,9 @@ from hypothesis import HealthCheck, settings
 from anna.weights.demo_model import write_demo_tokenizer
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Engines in tests keep the built-in routing thresholds, which the parity tests' prompt lengths are
+# chosen around; tests/test_calibration.py turns the host's calibration on where it tests it.
+os.environ.setdefault("ANNA_CALIBRATE", "0")
 
 # Fuzzing (tests/test_fuzz.py): a bounded, reproducible sample by default; the full run with
 # --hypothesis-profile=anna-fuzz-full

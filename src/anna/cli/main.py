@@ -84,6 +84,24 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return serve(settings_from_args(args).resolve())
 
 
+def cmd_tune(args: argparse.Namespace) -> int:
+    """Measure the host's routing thresholds for this model again and store them (calibrate)."""
+    from anna.runtime.builder import build_engine_parts
+
+    settings = settings_from_args(args)
+    parts = build_engine_parts(settings.resolve(), show_progress=not args.quiet, recalibrate=True)
+    if parts.calibration is None:
+        print(f"anna tune: nothing calibrated on {parts.platform.name} (see the log)", file=sys.stderr)
+        return 1
+    from anna.platforms.cpu.calibration import report
+
+    print(report(parts.calibration))
+    print("Used now (a flag or ANNA_* value wins over the calibrated one):")
+    for name in parts.calibration.measurements:
+        print(f"  {name} = {getattr(parts.settings, name)!r} ({parts.settings.sources[name]})")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="anna", description="Anna: an LLM inference server.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -107,6 +125,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("model_pos", nargs="?", metavar="MODEL", help="Model directory (default: the demo model).")
     add_settings_flags(serve)
     serve.set_defaults(func=cmd_serve)
+
+    tune = sub.add_parser("tune", help="Measure this host's matmul routing thresholds and prefill chunk size for a "
+                                       "model again (as the first start on a new host does) and store them.")
+    tune.add_argument("model_pos", nargs="?", metavar="MODEL", help="Model directory (default: the demo model).")
+    tune.add_argument("--quiet", action="store_true", help="No progress bars or logs.")
+    add_settings_flags(tune)
+    tune.set_defaults(func=cmd_tune)
 
     from anna.bench.cli import add_bench_parser
     add_bench_parser(sub)

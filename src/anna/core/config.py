@@ -125,6 +125,11 @@ class ServeSettings:
         128, "Largest M (rows) routed to Anna's CPU matmul kernel; larger matmuls use torch.")
     cpu_upcast_min_rows: int | None = _setting(
         8, "Without Anna's CPU kernels: from this M on, half-precision matmuls run in fp32 (0 = never).")
+    calibrate: bool | None = _setting(
+        True, "On CPU, the first start on a new host times this model's layers (a few seconds, before serving) to "
+              "set cpu_gemv_max_rows, int4_gemv_m_threshold, cpu_upcast_min_rows and the throughput profile's "
+              "long_prefill_token_threshold, kept in {cache_dir}/calibration; a flag or ANNA_* value still wins "
+              "(`anna tune MODEL` measures again). --no-calibrate: the built-in values.")
     cpu_huge_pages: bool | None = _setting(
         True, "On CPU, keep the weights and the KV cache on transparent huge pages (Linux): fewer TLB misses.")
 
@@ -287,8 +292,8 @@ SECTION_FIELDS: dict[str, tuple[str, ...]] = {
     "execution": ("device", "compile_mode", "compile_fullgraph", "decode_executor", "torchinductor_cache_dir",
                   "profile_runtime", "inference_warmup", "warmup_prefill_tokens", "warmup_batch_size",
                   "warmup_decode_steps"),
-    "cpu": ("cpu_kernels", "cpu_kernel_compiler", "cpu_isa", "cpu_gemv_max_rows", "cpu_upcast_min_rows", "cpu_huge_pages",
-            "int4_matmul", "int4_gemv_m_threshold"),
+    "cpu": ("cpu_kernels", "cpu_kernel_compiler", "cpu_isa", "cpu_gemv_max_rows", "cpu_upcast_min_rows", "calibrate",
+            "cpu_huge_pages", "int4_matmul", "int4_gemv_m_threshold"),
     "server": ("host", "port", "api_key", "allowed_origins", "max_n", "max_request_bytes", "header_read_timeout",
                "body_read_timeout", "shutdown_timeout", "prompt_workers", "tokenize_workers", "text_queue_limit",
                "web_ui", "responses_store_size", "tool_call_parser", "reasoning_parser", "log_level", "metrics_namespace",

@@ -123,6 +123,12 @@ class Platform:
         ``cache_dir``: where compiled kernels are kept; ``weight_dtype``: the model's)."""
         return ModelOps(quant, linear_routing(cpu), profiler)
 
+    def calibrate(self, model: torch.nn.Module, ops: ModelOps, cpu: Any, *, cache_dir: str, max_chunk: int,
+                  refresh: bool = False) -> Any:
+        """This host's measured routing thresholds and chunk size for the model (a Calibration,
+        platforms/cpu/calibration.py), or None where the device's built-in values stand."""
+        return None
+
     def kernel_layout(self, ops: ModelOps) -> str:
         """The weight layout the ops read, part of the int4 cache key."""
         return "row-major"

@@ -68,9 +68,11 @@ class EngineParts:
     runner: ModelRunner
     memory: MemoryReleaser
     inputs: InputProcessor
+    calibration: Any  # what this host measured for the model (platforms/cpu/calibration.py), or None
 
 
-def build_engine_parts(s: ResolvedSettings, show_progress: bool = True) -> EngineParts:
+def build_engine_parts(s: ResolvedSettings, show_progress: bool = True, recalibrate: bool = False) -> EngineParts:
+    """``recalibrate``: measure the host's routing thresholds again (anna tune), not read them."""
     sec = s.sections
     m, c, sch, ex, cpu = sec.model, sec.cache, sec.scheduler, sec.execution, sec.cpu
     is_demo = m.model is None
@@ -96,7 +98,6 @@ def build_engine_parts(s: ResolvedSettings, show_progress: bool = True) -> Engin
         raise ValueError(f"max_model_len: {max_model_len} exceeds the model's max_position_embeddings "
                          f"({cfg.max_position_embeddings})")
     s = _resolve_output_parsers(s, tokenizer.chat_template)
-    log.info("Resolved settings:\n%s", s.table())
     sampling_defaults = _sampling_defaults(m.generation_config, model_dir)
     profiler = RuntimeProfiler(platform) if ex.profile_runtime else None
     ops = platform.build_ops(cpu, QuantFormat(m.quantization, m.int4_group_size), profiler, m.cache_dir, dtype)
@@ -106,6 +107,11 @@ def build_engine_parts(s: ResolvedSettings, show_progress: bool = True) -> Engin
                        int4_cache=Int4CacheOptions(not m.disable_int4_cache, m.int4_cache_dir,
                                                    m.int4_cache_load_workers, m.cache_dir),
                        show_progress=show_progress, huge_pages=cpu.cpu_huge_pages)
+    calibration = platform.calibrate(model, ops, cpu, cache_dir=m.cache_dir, refresh=recalibrate,
+                                     max_chunk=sch.max_num_batched_tokens) if cpu.calibrate or recalibrate else None
+    s = _apply_calibration(s, ops, calibration)
+    sch = s.sections.scheduler
+    log.info("Resolved settings:\n%s", s.table())
     specs = model.cache_specs(act_dtype)
 
     def decode_executor_for(m: torch.nn.Module):
@@ -177,7 +183,26 @@ def build_engine_parts(s: ResolvedSettings, show_progress: bool = True) -> Engin
     inputs = InputProcessor(tokenizer, cfg, max_model_len, eos, structured, sync_every, sampling_defaults)
     return EngineParts(s, model_dir, is_demo, cfg, tokenizer, platform, dtype, act_dtype, max_model_len, profiler,
                        ops, executor_name, compile_mode, plan, kv, caches, prompt_cache, stats, scheduler, runner,
-                       memory, inputs)
+                       memory, inputs, calibration)
+
+
+def _apply_calibration(s: ResolvedSettings, ops: ModelOps, calibration: Any) -> ResolvedSettings:
+    """The calibrated values as the default layer: each replaces a built-in default (the chunk
+    size: the throughput profile's), never a value given by flag, keyword or ANNA_* variable."""
+    if calibration is None:
+        return s
+    from anna.platforms.cpu.calibration import ROUTING_FIELDS
+
+    routing = {}
+    for name, value in sorted(calibration.values.items()):
+        source = s.sources[name]
+        if source == "default" or (name == "long_prefill_token_threshold" and source == "profile"
+                                   and s.scheduler_profile == "throughput"):
+            s = s.with_value(name, value, "calibrated")
+            if name in ROUTING_FIELDS:
+                routing[ROUTING_FIELDS[name]] = value
+    ops.routing = dataclasses.replace(ops.routing, **routing)
+    return s
 
 
 def _resolve_output_parsers(s: ResolvedSettings, template: str | None) -> ResolvedSettings:

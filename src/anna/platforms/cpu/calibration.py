@@ -1,0 +1,371 @@
+"""Self-calibration of the CPU's routing thresholds and prefill chunk size on this host, for this
+model's shapes.
+
+The built-in thresholds (which kernel serves a matmul of M rows, how many prompt tokens one
+step prefills beside decodes) were measured on one machine; the same 2-core machine class comes
+as AVX2-only, AVX-512 and AMX CPUs, where the crossovers differ several-fold. So the first start
+on a new host times the model's own layers through the model's own ops (a few seconds, bounded
+by BUDGET_S, before serving: never on the request path) and keeps the result in
+``{cache_dir}/calibration/<key>.json``. The key covers the CPU model, its core count and
+instruction sets, the thread count, torch's and Anna's versions, and the model's dtype, format
+and linear shapes; anything else that changed selects another file. The values are the default
+layer: a flag or ANNA_* value still wins (the settings table says ``calibrated`` where one was
+used), ``anna tune MODEL`` measures again, ``--no-calibrate`` keeps the built-in values.
+
+What is measured, each as the whole model's matmul time (each distinct layer shape timed once,
+weighted by how many layers have it) at a few M:
+- ``cpu_gemv_max_rows`` (Anna's kernels, dense and int8 layers): the weight-streaming kernel
+  against the path above it (torch's bf16 or fp32 GEMM);
+- ``int4_gemv_m_threshold`` (int4 with int4_matmul auto): the packed int4 kernel against the
+  dequantized GEMM;
+- ``cpu_upcast_min_rows`` (torch's ops on half weights without hardware bf16): torch's half
+  matmul against the fp32 one on the converted weight;
+- ``long_prefill_token_threshold`` (the throughput profile's chunk size): the smallest chunk
+  whose matmul time per token is within 20% of the best chunk's (CHUNK_TOLERANCE).
+``choose`` turns measurements into values and is a pure function of them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import anna
+from anna.model.linear import Linear, QuantLinear
+from anna.platforms.cpu.isa import CpuIsa
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+BUDGET_S = 15.0  # the most one calibration measures; what is left unmeasured keeps its built-in value
+GEMV_ROWS = (1, 8, 16, 32, 48, 64, 96, 128, 192, 256)
+INT4_ROWS = (16, 32, 64, 128, 256, 512, 1024, 2048)
+UPCAST_ROWS = (1, 2, 4, 8, 16, 32, 64)
+CHUNK_TOKENS = (128, 256, 512, 1024, 2048)
+CHUNK_TOLERANCE = 1.20  # the chunk is also the longest stall of the decodes beside it: the smallest within 20%
+
+
+class OutOfTime(Exception):
+    """The calibration's time budget ran out."""
+
+
+@dataclass(frozen=True)
+class LayerGroup:
+    """One distinct linear layer of the model and how many layers share its shape and format."""
+
+    layer: Any
+    count: int
+    lm_head: bool
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """What one calibration measured (seconds per whole-model pass at each M) and what follows."""
+
+    key: str
+    host: dict[str, Any]
+    measurements: dict[str, dict[str, list]]
+    values: dict[str, int]
+    seconds: float
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self) | {"format": FORMAT_VERSION}
+
+
+def layer_groups(model: torch.nn.Module) -> list[LayerGroup]:
+    """The model's linear layers, one per (format, shape, bias, lm_head) with its count."""
+    groups: dict[tuple, list] = {}
+    for name, module in model.named_modules():
+        if not isinstance(module, (Linear, QuantLinear)):
+            continue
+        lm_head = name.split(".")[-1] == "lm_head"
+        fmt = (f"q{module.kind}g{module.group}" if isinstance(module, QuantLinear) else str(module.weight.dtype))
+        key = (fmt, module.out_features, module.in_features, module.bias is not None, lm_head)
+        if key in groups:
+            groups[key][1] += 1
+        else:
+            groups[key] = [module, 1, lm_head]
+    return [LayerGroup(*g) for g in groups.values()]
+
+
+def host_identity(isa: CpuIsa) -> dict[str, Any]:
+    return {"cpu": isa.model_name, "cores": os.cpu_count(), "threads": torch.get_num_threads(),
+            "isa": isa.level, "flags": sorted(isa.flags & _ISA_FLAGS), "torch": torch.__version__,
+            "anna": anna.__version__}
+
+
+_ISA_FLAGS = frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni",
+                        "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8"})
+
+
+def calibration_key(host: dict[str, Any], model_ident: dict[str, Any]) -> str:
+    ident = {"format": FORMAT_VERSION, "host": host, "model": model_ident}
+    return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:24]
+
+
+def model_identity(groups: list[LayerGroup], ops: Any, max_chunk: int) -> dict[str, Any]:
+    shapes = sorted([_format(g.layer), g.layer.out_features, g.layer.in_features, g.count, g.lm_head] for g in groups)
+    return {"shapes": shapes, "kernels": ops.kernels is not None, "bf16_matmul": ops.routing.bf16_matmul,
+            "int4_matmul": ops.routing.int4_matmul, "max_chunk": max_chunk}
+
+
+def _format(layer: Any) -> str:
+    return f"q{layer.kind}g{layer.group}" if isinstance(layer, QuantLinear) else str(layer.weight.dtype)
+
+
+# ---- the choice: a pure function of the measurements ----
+
+def first_crossing(rows: list[int], kernel_s: list[float], other_s: list[float]) -> int:
+    """The largest M of ``rows`` (ascending) up to which the kernel is no slower than the other
+    path at every measured M; 0 when it is slower at the first."""
+    best = 0
+    for m, kernel, other in zip(rows, kernel_s, other_s):
+        if kernel > other:
+            break
+        best = m
+    return best
+
+
+def smallest_good_chunk(tokens: list[int], seconds: list[float], tolerance: float = CHUNK_TOLERANCE) -> int:
+    """The smallest chunk whose time per token is within ``tolerance`` of the best measured one's."""
+    per_token = [s / n for n, s in zip(tokens, seconds)]
+    best = min(per_token)
+    return next(n for n, cost in zip(tokens, per_token) if cost <= tolerance * best)
+
+
+def choose(measurements: dict[str, dict[str, list]]) -> dict[str, int]:
+    """Setting name -> calibrated value, for each measurement that has data."""
+    values: dict[str, int] = {}
+    for name in ("cpu_gemv_max_rows", "int4_gemv_m_threshold", "cpu_upcast_min_rows"):
+        m = measurements.get(name)
+        if m and m["rows"]:
+            crossing = first_crossing(m["rows"], m["kernel_s"], m["other_s"])
+            if name == "cpu_upcast_min_rows":  # "kernel" = the half matmul: fp32 from the next M on
+                later = [r for r in m["rows"] if r > crossing]
+                crossing = later[0] if later else 0
+            values[name] = crossing
+    m = measurements.get("long_prefill_token_threshold")
+    if m and m["tokens"]:
+        values["long_prefill_token_threshold"] = smallest_good_chunk(m["tokens"], m["seconds"])
+    return values
+
+
+# ---- measuring ----
+
+class Timer:
+    """Times calls against one deadline."""
+
+    def __init__(self, budget_s: float) -> None:
+        self.deadline = time.perf_counter() + budget_s
+
+    def seconds(self, fn: Callable[[], Any], warm_up: bool) -> float:
+        if time.perf_counter() > self.deadline:
+            raise OutOfTime
+        if warm_up:  # (a shape's first call pays for oneDNN's code generation and first-touch pages)
+            fn()
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+
+
+ROUNDS = 3  # every M is timed once per round and keeps its best: rounds spread its samples over time,
+# so that this VM's slow spells (seconds long) do not land on one M only
+
+
+@contextmanager
+def _routing(ops: Any, **changes: Any) -> Iterator[None]:
+    saved = ops.routing
+    ops.routing = dataclasses.replace(saved, **changes)
+    try:
+        yield
+    finally:
+        ops.routing = saved
+
+
+def _model_seconds(timer: Timer, groups: list[LayerGroup], rows: int, warm_up: bool) -> float:
+    """Seconds of one pass of these layers (each group's layer timed once, times its count)."""
+    total = 0.0
+    for g in groups:
+        x = torch.randn(rows, g.layer.in_features)
+        total += g.count * timer.seconds(lambda: g.layer(x), warm_up)
+    return total
+
+
+def _in_rounds(out: dict[str, list], point: str, series: tuple[str, ...],
+               again: Callable[[int], list[float]]) -> dict[str, list]:
+    """The first round (``out``) decided which points are measured; later rounds time each again
+    and keep its best (a round cut short by the budget keeps what it finished)."""
+    for _ in range(ROUNDS - 1):
+        for i, x in enumerate(out[point]):
+            try:
+                times = again(x)
+            except OutOfTime:
+                return out
+            for name, t in zip(series, times):
+                out[name][i] = min(out[name][i], t)
+    return out
+
+
+def _crossover(timer: Timer, ops: Any, groups: list[LayerGroup], rows: tuple[int, ...],
+               kernel: Callable[[int], dict[str, Any]], other: dict[str, Any]) -> dict[str, list]:
+    """Both paths at each M (the first round stops once the kernel has lost at two Ms in a row)."""
+    def at(m: int, warm_up: bool = False) -> list[float]:
+        with _routing(ops, **kernel(m)):
+            k = _model_seconds(timer, groups, m, warm_up)
+        with _routing(ops, **other):
+            return [k, _model_seconds(timer, groups, m, warm_up)]
+
+    out: dict[str, list] = {"rows": [], "kernel_s": [], "other_s": []}
+    losses = 0
+    for m in rows:
+        try:
+            k, o = at(m, warm_up=True)
+        except OutOfTime:
+            break
+        out["rows"].append(m)
+        out["kernel_s"].append(k)
+        out["other_s"].append(o)
+        losses = losses + 1 if k > o else 0
+        if losses == 2:
+            break
+    return _in_rounds(out, "rows", ("kernel_s", "other_s"), at)
+
+
+def measure(model: torch.nn.Module, ops: Any, max_chunk: int, budget_s: float = BUDGET_S) -> dict[str, dict[str, list]]:
+    """Measurements for each setting that applies to this model and ops."""
+    timer = Timer(budget_s)
+    groups = layer_groups(model)
+    dense = [g for g in groups if not isinstance(g.layer, QuantLinear) or g.layer.kind == 0]
+    int4 = [g for g in groups if isinstance(g.layer, QuantLinear) and g.layer.kind == 1]
+    half = [g for g in groups if not isinstance(g.layer, QuantLinear) and g.layer.weight.element_size() == 2]
+    out: dict[str, dict[str, list]] = {}
+    with torch.inference_mode():
+        if ops.kernels is not None and dense:
+            out["cpu_gemv_max_rows"] = _crossover(timer, ops, dense, GEMV_ROWS, lambda m: {"gemv_max_rows": m},
+                                                  {"gemv_max_rows": 0})
+        if ops.kernels is not None and int4 and ops.routing.int4_matmul == "auto":
+            out["int4_gemv_m_threshold"] = _crossover(timer, ops, int4, INT4_ROWS,
+                                                      lambda m: {"int4_gemv_m_threshold": m},
+                                                      {"int4_gemv_m_threshold": 0})
+        if ops.kernels is None and half and not ops.routing.bf16_matmul:
+            out["cpu_upcast_min_rows"] = _crossover(timer, ops, half, UPCAST_ROWS, lambda m: {"upcast_min_rows": 0},
+                                                    {"upcast_min_rows": 1})
+        body = [g for g in groups if not g.lm_head]
+        if body:
+            chosen = choose(out)
+            changes = {field: chosen[name] for name, field in ROUTING_FIELDS.items() if name in chosen}
+            chunk: dict[str, list] = {"tokens": [], "seconds": []}
+            with _routing(ops, **changes):
+                for n in (c for c in CHUNK_TOKENS if c <= max_chunk):
+                    try:
+                        chunk["seconds"].append(_model_seconds(timer, body, n, warm_up=True))
+                    except OutOfTime:
+                        break
+                    chunk["tokens"].append(n)
+                out["long_prefill_token_threshold"] = _in_rounds(
+                    chunk, "tokens", ("seconds",), lambda n: [_model_seconds(timer, body, n, warm_up=False)])
+    return out
+
+
+# setting name -> LinearRouting field
+ROUTING_FIELDS = {"cpu_gemv_max_rows": "gemv_max_rows", "int4_gemv_m_threshold": "int4_gemv_m_threshold",
+                  "cpu_upcast_min_rows": "upcast_min_rows"}
+
+
+# ---- the cache ----
+
+def cache_path(cache_dir: str, key: str) -> Path:
+    return Path(cache_dir).expanduser() / "calibration" / f"{key}.json"
+
+
+def read_cached(path: Path, key: str) -> Calibration | None:
+    """The stored calibration, or None when there is none or it does not check out."""
+    try:
+        data = json.loads(path.read_text())
+        if data.get("format") != FORMAT_VERSION or data.get("key") != key:
+            return None
+        values = {str(k): int(v) for k, v in data["values"].items()}
+        if any(v < 0 for v in values.values()):
+            return None
+        return Calibration(key, data["host"], data["measurements"], values, float(data["seconds"]))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        log.warning("Calibration %s unreadable (%s): measuring again", path, exc)
+        return None
+
+
+def write_cached(path: Path, calibration: Calibration) -> None:
+    """Written to a temporary file renamed into place; a failure to write is logged, not raised."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=".tmp", suffix=".json", delete=False) as fh:
+            json.dump(calibration.to_json(), fh, indent=1)
+        os.replace(fh.name, path)
+    except OSError as exc:
+        log.warning("Calibration not stored at %s (%s): the next start measures again", path, exc)
+
+
+def calibrate(model: torch.nn.Module, ops: Any, isa: CpuIsa, *, cache_dir: str, max_chunk: int, refresh: bool = False, budget_s: float = BUDGET_S,
+              measure_fn: Callable[..., dict] = measure) -> Calibration | None:
+    """The host's calibration for this model: stored, or measured now (``refresh``: always
+    measured). None, with a warning, when it cannot be measured: the built-in values stand."""
+    groups = layer_groups(model)
+    host = host_identity(isa)
+    key = calibration_key(host, model_identity(groups, ops, max_chunk))
+    path = cache_path(cache_dir, key)
+    if not refresh:
+        cached = read_cached(path, key)
+        if cached is not None:
+            log.info("Calibration: %s (measured %s on this host; anna tune measures again)",
+                     _describe(cached.values), path)
+            return cached
+    t0 = time.perf_counter()
+    try:
+        measurements = measure_fn(model, ops, max_chunk=max_chunk, budget_s=budget_s)
+        values = choose(measurements)
+    except Exception as exc:  # (a kernel that cannot run here, a shape torch refuses: serve on the built-ins)
+        log.warning("Calibration failed (%s: %s): the built-in values stand", type(exc).__name__, exc)
+        return None
+    calibration = Calibration(key, host, measurements, values, round(time.perf_counter() - t0, 3))
+    write_cached(path, calibration)
+    log.info("Calibration measured in %.1f s on %s: %s (stored at %s)", calibration.seconds, isa.model_name,
+             _describe(values), path)
+    return calibration
+
+
+def _describe(values: dict[str, int]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in sorted(values.items())) or "nothing applies to this model"
+
+
+def report(calibration: Calibration) -> str:
+    """The measurements and the values they gave, as ``anna tune`` prints them."""
+    lines = [f"Calibration {calibration.key} ({calibration.seconds:.1f} s) on {calibration.host['cpu']}, "
+             f"{calibration.host['threads']} threads, kernel level {calibration.host['isa']}"]
+    paths = {"cpu_gemv_max_rows": ("Anna's weight-streaming kernel", "torch's GEMM"),
+             "int4_gemv_m_threshold": ("packed int4 kernel", "dequantized GEMM"),
+             "cpu_upcast_min_rows": ("torch half matmul", "fp32 on the converted weight")}
+    for name, m in calibration.measurements.items():
+        value = calibration.values.get(name, "(no data: the built-in value)")
+        lines.append(f"{name} = {value}")
+        if name in paths:
+            kernel, other = paths[name]
+            lines.append(f"  {'M':>6}  {kernel + ' ms':>32}  {other + ' ms':>30}")
+            lines += [f"  {r:>6}  {k * 1e3:>32.2f}  {o * 1e3:>30.2f}"
+                      for r, k, o in zip(m["rows"], m["kernel_s"], m["other_s"])]
+        else:
+            lines.append(f"  {'tokens':>6}  {'matmul ms per chunk':>22}  {'ms per token':>14}")
+            lines += [f"  {n:>6}  {t * 1e3:>22.1f}  {t * 1e3 / n:>14.3f}" for n, t in zip(m["tokens"], m["seconds"])]
+    return "\n".join(lines)

@@ -1,0 +1,182 @@
+"""Self-calibration of the CPU's routing thresholds (platforms/cpu/calibration.py): the choice is
+a pure function of the measurements; the first start measures, stores and applies them as the
+default layer (flags and ANNA_* values win); later starts read the store; a new host key measures
+again; a calibration that cannot run leaves the built-in values; ``anna tune`` measures again."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from anna.platforms.cpu.calibration import (CHUNK_TOKENS, GEMV_ROWS, calibrate, choose, first_crossing,
+                                            smallest_good_chunk)
+
+
+@pytest.fixture
+def store(tmp_path, cache_dir) -> Path:
+    """A cache dir of the test's own (its calibration store) that shares the session's compiled kernels."""
+    (cache_dir / "kernels").mkdir(exist_ok=True)
+    (tmp_path / "kernels").symlink_to(cache_dir / "kernels", target_is_directory=True)
+    return tmp_path
+
+
+def _engine(model_dir: Path, cache_dir: Path, **kw):
+    from anna import LLM
+
+    kw.setdefault("calibrate", True)
+    return LLM(str(model_dir), dtype="bfloat16", device="cpu", cache_dir=str(cache_dir), max_model_len=256,
+               num_gpu_blocks_override=32, inference_warmup=False, **kw).llm_engine
+
+
+def _stored(cache_dir: Path) -> list[Path]:
+    return sorted((cache_dir / "calibration").glob("*.json"))
+
+
+def test_the_choice_is_a_pure_function_of_the_measurements():
+    measurements = {
+        # the kernel is no slower up to M = 16, slower from 32 on
+        "cpu_gemv_max_rows": {"rows": [1, 8, 16, 32, 48], "kernel_s": [1, 2, 3.9, 5, 6], "other_s": [4, 4, 4, 4, 4]},
+        # slower at the first M: never the packed kernel
+        "int4_gemv_m_threshold": {"rows": [16, 32, 64], "kernel_s": [5, 1, 1], "other_s": [4, 4, 4]},
+        # half precision no slower up to M = 2: fp32 from the next measured M on
+        "cpu_upcast_min_rows": {"rows": [1, 2, 4, 8], "kernel_s": [1, 1, 3, 3], "other_s": [2, 2, 2, 2]},
+        # per token: 15.6, 9.0, 7.8, 8.0 ms: 256 is the smallest within 20% of the best
+        "long_prefill_token_threshold": {"tokens": [128, 256, 512, 1024], "seconds": [2.0, 2.3, 4.0, 8.2]},
+    }
+    want = {"cpu_gemv_max_rows": 16, "int4_gemv_m_threshold": 0, "cpu_upcast_min_rows": 4,
+            "long_prefill_token_threshold": 256}
+    assert choose(measurements) == want
+    assert choose(json.loads(json.dumps(measurements))) == want  # as read back from the store
+    assert choose({"cpu_gemv_max_rows": {"rows": [], "kernel_s": [], "other_s": []}}) == {}  # no data: built-in
+    assert first_crossing([1, 2, 3], [1, 5, 1], [2, 2, 2]) == 1  # the first loss ends it, a later win does not count
+    assert first_crossing([1, 2], [1, 1], [2, 2]) == 2  # never slower: the largest measured M
+    assert choose({"cpu_upcast_min_rows": {"rows": [1, 2], "kernel_s": [1, 1], "other_s": [2, 2]}}) == \
+        {"cpu_upcast_min_rows": 0}  # half never slower: never upcast
+    assert smallest_good_chunk([128, 256], [1.0, 1.0]) == 256  # 128 costs twice as much per token
+
+
+def test_the_first_start_measures_stores_and_applies(qwen2_dir, store):
+    engine = _engine(qwen2_dir, store)
+    [path] = _stored(store)
+    stored = json.loads(path.read_text())
+    values = stored["values"]
+    assert set(values) == {"cpu_gemv_max_rows", "long_prefill_token_threshold"}  # a bf16 model on Anna's kernels
+    assert choose(stored["measurements"]) == values  # deterministic given what it measured
+    gemv = stored["measurements"]["cpu_gemv_max_rows"]
+    assert gemv["rows"] == list(GEMV_ROWS[:len(gemv["rows"])]) and len(gemv["rows"]) >= 2
+    assert all(t > 0 for t in gemv["kernel_s"] + gemv["other_s"])
+    assert stored["measurements"]["long_prefill_token_threshold"]["tokens"] == list(CHUNK_TOKENS)
+    assert stored["host"]["threads"] == torch.get_num_threads() and stored["host"]["torch"] == torch.__version__
+    for name, value in values.items():
+        assert getattr(engine.settings, name) == value and engine.settings.sources[name] == "calibrated"
+    assert engine.runner.model.norm.ops.routing.gemv_max_rows == values["cpu_gemv_max_rows"]
+    assert engine.scheduler.config.long_prefill_token_threshold == values["long_prefill_token_threshold"]
+    assert "calibrated" in engine.settings.table()
+
+
+def test_a_stored_calibration_is_read_not_measured_and_a_new_key_measures_again(qwen2_dir, store, monkeypatch):
+    _engine(qwen2_dir, store)
+    [path] = _stored(store)
+    stored = json.loads(path.read_text())
+    stored["values"] = {"cpu_gemv_max_rows": 37, "long_prefill_token_threshold": 384}  # no measurement gives these
+    path.write_text(json.dumps(stored))
+    engine = _engine(qwen2_dir, store)
+    assert engine.runner.model.norm.ops.routing.gemv_max_rows == 37
+    assert engine.scheduler.config.long_prefill_token_threshold == 384
+    assert json.loads(path.read_text()) == stored  # not measured again, so not rewritten
+
+    import anna
+    monkeypatch.setattr(anna, "__version__", anna.__version__ + ".post1")  # another Anna: another key
+    engine = _engine(qwen2_dir, store)
+    assert len(_stored(store)) == 2
+    assert engine.runner.model.norm.ops.routing.gemv_max_rows != 37
+    monkeypatch.undo()
+    torch.set_num_threads(1)  # another thread count: another key
+    try:
+        _engine(qwen2_dir, store)
+    finally:
+        torch.set_num_threads(2)
+    assert len(_stored(store)) == 3
+    assert json.loads(path.read_text()) == stored  # the first host's entry is left as it was
+
+
+def test_flags_env_and_the_interactive_profile_win_over_calibrated_values(qwen2_dir, store, monkeypatch):
+    monkeypatch.setenv("ANNA_LONG_PREFILL_TOKEN_THRESHOLD", "300")
+    engine = _engine(qwen2_dir, store, cpu_gemv_max_rows=64)
+    assert engine.runner.model.norm.ops.routing.gemv_max_rows == 64
+    assert engine.settings.sources["cpu_gemv_max_rows"] != "calibrated"
+    assert engine.settings.long_prefill_token_threshold == 300 and engine.settings.sources[
+        "long_prefill_token_threshold"] == "env"
+    monkeypatch.delenv("ANNA_LONG_PREFILL_TOKEN_THRESHOLD")
+    engine = _engine(qwen2_dir, store, scheduler_profile="interactive")  # its chunk is chosen for latency
+    assert engine.settings.long_prefill_token_threshold == 256 and engine.settings.sources[
+        "long_prefill_token_threshold"] == "profile"
+    assert engine.settings.sources["cpu_gemv_max_rows"] == "calibrated"
+
+
+def test_no_calibrate_keeps_the_built_in_values(qwen2_dir, store):
+    engine = _engine(qwen2_dir, store, calibrate=False)
+    assert not (store / "calibration").exists()
+    assert engine.settings.sources["cpu_gemv_max_rows"] == "default"
+    assert engine.runner.model.norm.ops.routing.gemv_max_rows == 128
+
+
+def test_a_calibration_that_cannot_run_leaves_the_built_in_values(qwen2_dir, store, caplog):
+    from anna.platforms.cpu.isa import detect_isa
+
+    engine = _engine(qwen2_dir, store, calibrate=False)
+    model, ops, isa = engine.runner.model, engine.runner.model.norm.ops, detect_isa()
+    nothing = calibrate(model, ops, isa, cache_dir=str(store), max_chunk=2048, budget_s=0.0)
+    assert nothing is not None and nothing.values == {}  # no time to measure: no value replaces a built-in
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no such kernel here")
+
+    assert calibrate(model, ops, isa, cache_dir=str(store), max_chunk=2048, refresh=True,
+                     measure_fn=broken) is None
+    assert "Calibration failed (RuntimeError: no such kernel here)" in caplog.text
+    assert ops.routing.gemv_max_rows == 128  # (measuring restores the routing it changes)
+
+    # a corrupt store is measured again and rewritten; a store that cannot be written still calibrates
+    [path] = _stored(store)
+    path.write_text("{not json")
+    _engine(qwen2_dir, store)
+    assert "cpu_gemv_max_rows" in json.loads(path.read_text())["values"]
+    for stale in _stored(store):
+        stale.unlink()
+    (store / "calibration").rmdir()
+    (store / "calibration").write_text("")  # a file where the store's folder would be
+    engine = _engine(qwen2_dir, store)
+    assert engine.settings.sources["cpu_gemv_max_rows"] == "calibrated"
+    assert "Calibration not stored" in caplog.text
+
+
+def test_anna_tune_measures_again_and_stores(qwen2_dir, store, capsys):
+    from anna.cli.main import main
+
+    args = ["tune", str(qwen2_dir), "--dtype", "bfloat16", "--cache-dir", str(store), "--quiet",
+            "--max-model-len", "256", "--num-gpu-blocks-override", "32"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    [path] = _stored(store)
+    values = json.loads(path.read_text())["values"]
+    assert f"cpu_gemv_max_rows = {values['cpu_gemv_max_rows']}" in out
+    assert f"cpu_gemv_max_rows = {values['cpu_gemv_max_rows']} (calibrated)" in out
+    stored = json.loads(path.read_text())
+    stored["values"]["cpu_gemv_max_rows"] = 37
+    path.write_text(json.dumps(stored))
+    assert main(args + ["--no-calibrate"]) == 0  # tune measures whatever the start-up setting says
+    assert json.loads(path.read_text())["values"]["cpu_gemv_max_rows"] != 37
+
+
+@pytest.mark.parametrize("quantization", ["int4"])
+def test_an_int4_model_calibrates_the_packed_kernels_bound(qwen2_dir, store, quantization):
+    engine = _engine(qwen2_dir, store, quantization=quantization, disable_int4_cache=True)
+    [path] = _stored(store)
+    stored = json.loads(path.read_text())
+    assert "int4_gemv_m_threshold" in stored["measurements"]
+    assert engine.runner.model.norm.ops.routing.int4_gemv_m_threshold == stored["values"]["int4_gemv_m_threshold"]
+    assert engine.settings.sources["int4_gemv_m_threshold"] == "calibrated"
