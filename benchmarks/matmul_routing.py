@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import argparse
 import csv
-import platform
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from anna.platforms.cpu.isa import detect_isa
 from anna.platforms.cpu.kernels import build_cpu_kernels
 from anna.model.linear import interleave_rows, quantized_for_cpu_kernel
 from anna.model.quantization import quantize_int4, quantize_int8
@@ -50,9 +50,12 @@ def main() -> None:
     ap.add_argument("--quantization", choices=["none", "int8", "int4"], default="none")
     ap.add_argument("--int4-group-size", type=int, default=32)
     ap.add_argument("--ms", default=",".join(map(str, MS)), help="The M values to time, comma-separated.")
+    ap.add_argument("--cpu-isa", default="auto", help="The kernel level Anna's kernels are built for (a lower one "
+                                                      "than the CPU's: that level's build)")
+    ap.add_argument("--strategies", default="", help="Only these strategies, comma-separated (default: all).")
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
-    kernels = build_cpu_kernels(args.cache_dir)
+    kernels = build_cpu_kernels(args.cache_dir, isa=detect_isa(force=args.cpu_isa))
     quant = args.quantization
     kind, group = (0, 0) if quant == "int8" else (1, args.int4_group_size)
     if quant != "none":
@@ -72,6 +75,8 @@ def main() -> None:
         }
         if kernels is not None:  # w[1]: the same weight with rows interleaved, as the kernel reads it
             strategies["anna_gemv"] = lambda x, w: kernels.gemv(x, w[1], None)
+    if args.strategies:
+        strategies = {name: fn for name, fn in strategies.items() if name in args.strategies.split(",")}
     bytes_per_weight = {"none": dtype.itemsize, "int8": 1, "int4": 0.5}[quant]
 
     def make(n: int, k: int):
@@ -100,7 +105,8 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with open(args.out, "w", newline="") as fh:
         what = args.dtype if quant == "none" else f"{quant}" + (f" group {group}" if quant == "int4" else "")
-        fh.write(f"# {platform.machine()} {torch.get_num_threads()} threads, torch {torch.__version__}, {what}\n")
+        fh.write(f"# {detect_isa().model_name}, kernel level {kernels.level if kernels else 'none'}, "
+                 f"{torch.get_num_threads()} threads, torch {torch.__version__}, {what}\n")
         writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)

@@ -137,6 +137,20 @@ def cache_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("anna-cache")
 
 
+def kernels_at_level(level: str, cache_dir: Path):
+    """Anna's CPU kernels built for one kernel level (kernels.LEVEL_CFLAGS); a level this CPU lacks
+    is skipped, saying so."""
+    from anna.platforms.cpu.isa import detect_isa
+    from anna.platforms.cpu.kernels import build_cpu_kernels
+
+    here = detect_isa()
+    if not here.has(level):
+        pytest.skip(f"kernel level {level}: this CPU ({here.model_name}) has instruction sets up to {here.available}")
+    kernels = build_cpu_kernels(cache_dir, isa=detect_isa(force=level))
+    assert kernels is not None and kernels.level == level, "this machine should build Anna's CPU kernels"
+    return kernels
+
+
 def engine_settings(model_dir, cache_dir, **overrides):
     from anna.core.config import ServeSettings
 

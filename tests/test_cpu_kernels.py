@@ -7,15 +7,15 @@ import torch.nn.functional as F
 
 from anna.model.linear import Linear, gather_interleaved_rows, interleave_rows
 from anna.model.ops import LinearRouting
-from anna.platforms.cpu.kernels import build_cpu_kernels
+from anna.platforms.cpu.kernels import LEVEL_CFLAGS
 from anna.platforms.cpu.ops import CpuKernelOps
+from conftest import kernels_at_level
 
 
-@pytest.fixture(scope="module")
-def kernels(cache_dir):
-    k = build_cpu_kernels(cache_dir)
-    assert k is not None, "this machine should build Anna's CPU kernels"
-    return k
+@pytest.fixture(scope="module", params=list(LEVEL_CFLAGS))
+def kernels(request, cache_dir):
+    """The kernels built for each level this CPU has (the others are skipped, with the reason)."""
+    return kernels_at_level(request.param, cache_dir)
 
 
 @pytest.mark.parametrize("n", [64, 67])  # 67: three rows past the last full block of 4

@@ -10,22 +10,21 @@ import torch
 
 from anna.model.linear import QuantLinear
 from anna.model.ops import LinearRouting, QuantFormat
-from anna.platforms.cpu.kernels import build_cpu_kernels
+from anna.platforms.cpu.kernels import LEVEL_CFLAGS
 from anna.platforms.cpu.ops import CpuKernelOps
 from anna.model.quantization import (dequantize_int4, dequantize_int8, pack_int4, quantize_int4, quantize_int8,
                                      unpack_int4)
 from anna.runtime.engine import LLMEngine
-from conftest import engine_settings
+from conftest import engine_settings, kernels_at_level
 from helpers import fake_quantized, hf_logits, run_logits
 
 PROMPT = [(i * 29 + 7) % 700 + 3 for i in range(37)]
 
 
-@pytest.fixture(scope="module")
-def kernels(cache_dir):
-    k = build_cpu_kernels(cache_dir)
-    assert k is not None, "this machine should build Anna's CPU kernels"
-    return k
+@pytest.fixture(scope="module", params=list(LEVEL_CFLAGS))
+def kernels(request, cache_dir):
+    """The kernels built for each level this CPU has (the others are skipped, with the reason)."""
+    return kernels_at_level(request.param, cache_dir)
 
 
 def test_int4_pack_unpack_round_trip_is_exact():
@@ -293,3 +292,19 @@ def test_int4_cache_can_be_disabled(hf_models, cache_dir, tmp_path, caplog):
     load_int4(path, cache_dir, caplog, disable_int4_cache=True)
     _, hit = load_int4(path, cache_dir, caplog, disable_int4_cache=True)
     assert not hit and not (path / ".anna").exists()
+
+
+@pytest.mark.parametrize("kind, group", [("int8", 0), ("int4", 32), ("int4", 128)])
+def test_the_vnni_build_gives_the_avx2_builds_bits(kind, group, cache_dir):
+    """vpdpbusd sums the same integer products exactly as AVX2's maddubs does (the int4 int16 sums
+    wrap and end exact), so the two builds' packed matmuls agree to the bit at every M the
+    routing can send them (1..130), with odd blocks and tail rows."""
+    builds = [kernels_at_level(level, cache_dir) for level in ("avx2", "avx512_vnni")]
+    layers = [make_layer(kind, group or 32, k, "packed", (70, 37)) for k in builds]
+    for layer in layers:
+        layer.interleave_for_cpu_kernel()
+    assert torch.equal(layers[0].qweight, layers[1].qweight)
+    g = torch.Generator().manual_seed(3)
+    for m in range(1, 131):
+        x = torch.randn(m, 256, generator=g)
+        assert torch.equal(layers[0](x), layers[1](x)), m

@@ -1,6 +1,7 @@
-"""Anna's compiled CPU kernels (C, AVX2/FMA/F16C), built with the system C compiler on first use
-and cached by source hash. Loaded through ctypes, which releases the GIL during each call.
-Where no compiler or no AVX2 is available, Anna runs torch's kernels instead (one warning)."""
+"""Anna's compiled CPU kernels (C), built with the system C compiler on first use, once per kernel
+level (LEVEL_CFLAGS: AVX2/FMA/F16C, and AVX-512 with VNNI for the quantized dot products) and
+source hash. Loaded through ctypes, which releases the GIL during each call. Where no compiler
+or no AVX2 is available, Anna runs torch's kernels instead (one warning)."""
 
 from __future__ import annotations
 
@@ -23,7 +24,14 @@ KERNEL_DIR = Path(__file__).parent / "csrc"
 SOURCES = [KERNEL_DIR / name for name in ("cpu_kernels.c", "quant_kernels.c", "decode_layers.c",
                                                      "gated_delta.c", "decode_hybrid.c")]
 HEADERS = [KERNEL_DIR / name for name in ("work_split.h", "decode_common.h")]
-CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC"]
+CFLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC"]
+# The levels the kernels are built for (isa.py's names), each with the instruction sets it may use;
+# a CPU runs the highest one it has (or the one --cpu-isa forces).
+LEVEL_CFLAGS = {
+    "avx2": ["-mavx2", "-mfma", "-mf16c"],
+    "avx512_vnni": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl",
+                    "-mavx512vnni"],
+}
 WEIGHT_TYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 UNPACK_SCRATCH_BYTES = 128 << 20
 
@@ -59,7 +67,8 @@ class CpuKernels:
     """ctypes bindings of kernels/cpu_kernels.c. Every tensor handed in is fp32 and contiguous
     unless the method says otherwise; ``threads`` follows torch.get_num_threads()."""
 
-    def __init__(self, library: Path) -> None:
+    def __init__(self, library: Path, level: str = "avx2") -> None:
+        self.level = level  # the kernel level it was built for (LEVEL_CFLAGS)
         lib = ctypes.CDLL(str(library))
         p, i, l, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
         lib.anna_gemv.argtypes = [p, p, i, p, p, i, l, l, i]
@@ -288,17 +297,25 @@ class CpuKernels:
         return out
 
 
+def kernel_build_level(isa: CpuIsa) -> str | None:
+    """The highest level the kernels are built for that ``isa`` runs at, or None below AVX2."""
+    built = [level for level in LEVEL_CFLAGS if isa.has(level)]
+    return built[-1] if built else None
+
+
 def build_cpu_kernels(cache_dir: str | Path, compiler: str = "", isa: CpuIsa | None = None) -> CpuKernels | None:
-    """Compile (once per source version, with ``compiler`` or else cc or gcc) and load the kernels;
-    None if this machine cannot (``isa``: the level Anna runs at; by default the CPU's own)."""
-    if not (isa or detect_isa()).has("avx2"):
+    """Compile (once per level and source version, with ``compiler`` or else cc or gcc) and load
+    the kernels; None if this machine cannot (``isa``: the level Anna runs at; by default the CPU's own)."""
+    level = kernel_build_level(isa or detect_isa())
+    if level is None:
         log.warning("CPU without AVX2/FMA/F16C (or --cpu-isa none): using torch's matmul kernels")
         return None
+    flags = CFLAGS + LEVEL_CFLAGS[level]
     compiler = shutil.which(compiler or "cc") or shutil.which("gcc")
     sources = b"".join(p.read_bytes() for p in SOURCES + HEADERS)
-    digest = hashlib.sha256(sources + " ".join(CFLAGS).encode()).hexdigest()[:16]
+    digest = hashlib.sha256(sources + " ".join(flags).encode()).hexdigest()[:16]
     out_dir = Path(cache_dir).expanduser() / "kernels"
-    library = out_dir / f"anna_cpu_kernels_{digest}.so"
+    library = out_dir / f"anna_cpu_kernels_{level}_{digest}.so"
     if not library.exists():
         if compiler is None:
             log.warning("No C compiler found: using torch's matmul kernels (install gcc for faster CPU decode)")
@@ -307,7 +324,7 @@ def build_cpu_kernels(cache_dir: str | Path, compiler: str = "", isa: CpuIsa | N
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
         os.close(fd)
         try:
-            subprocess.run([compiler, *CFLAGS, "-o", tmp, *map(str, SOURCES)], check=True, capture_output=True,
+            subprocess.run([compiler, *flags, "-o", tmp, *map(str, SOURCES)], check=True, capture_output=True,
                            text=True)
             os.replace(tmp, library)
         except (subprocess.CalledProcessError, OSError) as exc:
@@ -318,7 +335,7 @@ def build_cpu_kernels(cache_dir: str | Path, compiler: str = "", isa: CpuIsa | N
             if os.path.exists(tmp):
                 os.unlink(tmp)
     try:
-        return CpuKernels(library)
+        return CpuKernels(library, level)
     except OSError as exc:
         log.warning("Could not load Anna's CPU kernels (%s): using torch's", exc)
         return None

@@ -34,6 +34,16 @@
  * in memory, a load and a store per product in the inner loop (1.1-1.2x slower at M = 16). */
 #define KEEP_IN_REGISTER(v) __asm__("" : "+x"(v))
 
+/* Built for the avx512_vnni level (kernels.py: LEVEL_CFLAGS), the dot products run on vpdpbusd:
+ * one instruction for 4 byte products summed into an int32 lane, where AVX2 needs maddubs (pairs
+ * into int16) and an add or a madd. The integer sums are exact either way, so both builds give
+ * the same bits. */
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define ANNA_VNNI 1
+#else
+#define ANNA_VNNI 0
+#endif
+
 INLINE float hsum(__m256 v) {
     __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
     lo = _mm_add_ps(lo, hi);
@@ -45,8 +55,41 @@ INLINE float hsum(__m256 v) {
 /* sum over the 32 lanes of a (signed) * b (signed) as 8 int32 lanes */
 INLINE __m256i dot_s8(__m256i a, __m256i b) {
     __m256i ua = _mm256_sign_epi8(a, a), sb = _mm256_sign_epi8(b, a);
+#if ANNA_VNNI
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), ua, sb);
+#else
     __m256i p16 = _mm256_maddubs_epi16(ua, sb);
     return _mm256_madd_epi16(p16, _mm256_set1_epi16(1));
+#endif
+}
+
+/* acc + the products of 4-byte groups of u (unsigned) and s (signed): int16 pairs on AVX2 (the
+ * int4 kernel's sums, which may wrap: see above), int32 quads with VNNI */
+INLINE __m256i add_dot_u8s8(__m256i acc, __m256i u, __m256i s) {
+#if ANNA_VNNI
+    return _mm256_dpbusd_epi32(acc, u, s);
+#else
+    return _mm256_add_epi16(acc, _mm256_maddubs_epi16(u, s));
+#endif
+}
+
+/* A row's sums of a run start at -8 * sum(x) (see quantize_x_row): as two int16 halves (AVX2's
+ * pairs), or as one int32 (VNNI's quads add all four positions). */
+INLINE __m256i run_start(int32_t xo) {
+#if ANNA_VNNI
+    return _mm256_set1_epi32((int32_t)(int16_t)(xo & 0xFFFF) + (int32_t)(int16_t)(xo >> 16));
+#else
+    return _mm256_set1_epi32(xo);
+#endif
+}
+
+/* The int32 dot products of a row's run from its sums */
+INLINE __m256i run_dot(__m256i acc) {
+#if ANNA_VNNI
+    return acc;
+#else
+    return _mm256_madd_epi16(acc, _mm256_set1_epi16(1));
+#endif
 }
 
 /* One row of x [K] fp32 -> xq [K] int8, xs [K/32] scales and xo [K/32], where the int4 kernels'
@@ -96,6 +139,7 @@ INLINE __m256i unpack_q4_unsigned(const uint8_t *p) {
 #define PACK_ROWS 4   /* int8 */
 #define LANE_ROWS 8   /* int4 */
 #define LANE_TILE_X 4 /* rows of x per int4 tile */
+#define LANE_TILE_X16 8 /* the same for the VNNI build's 16-row tiles (32 vector registers) */
 #define X_BLOCK 64    /* int4: rows of x per pass over a thread's weights (at K = 4864, 311 KB: in L2) */
 /* How far ahead the first pass over the weights asks for them: 4 KB measured 1.03-1.16x over 1 KB
  * for int4 at M = 1 (a 0.5B model's 24 layers, weights from memory), 1.2x for its lm_head. */
@@ -173,14 +217,14 @@ INLINE void lane_tile(int TW, int TM, const uint8_t *w, long wstride, const uint
                       float *y, long ystride, int prefetch) {
     long blocks = K / 32;
     int gshift = group_shift(G);
-    const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    const __m256i low = _mm256_set1_epi8(0x0F);
     __m256 accf[2][LANE_TILE_X];
     for (int t = 0; t < TW; t++)
         for (int m = 0; m < TM; m++) accf[t][m] = bias ? _mm256_loadu_ps(bias + t * 8) : _mm256_setzero_ps();
     for (long b = 0; b < blocks; b++) {
-        __m256i acc[2][LANE_TILE_X];  /* int16 sums of this run, starting at xo (see above) */
+        __m256i acc[2][LANE_TILE_X];  /* sums of this run, starting at xo (see above) */
         for (int m = 0; m < TM; m++) {
-            __m256i start = _mm256_set1_epi32(xo[m * blocks + b]);
+            __m256i start = run_start(xo[m * blocks + b]);
             for (int t = 0; t < TW; t++) acc[t][m] = start;
         }
         for (int t = 0; t < TW; t++) {
@@ -197,8 +241,8 @@ INLINE void lane_tile(int TW, int TM, const uint8_t *w, long wstride, const uint
                 __m256i xlo = _mm256_set1_epi32(*(const int32_t *)xp), xhi = _mm256_set1_epi32(*(const int32_t *)(xp + 16));
                 for (int t = 0; t < TW; t++) {
                     __m256i v = _mm256_loadu_si256((const __m256i *)(w + t * wstride + b * 128 + l * 32));
-                    acc[t][0] = _mm256_add_epi16(acc[t][0], _mm256_maddubs_epi16(_mm256_and_si256(v, low), xlo));
-                    acc[t][0] = _mm256_add_epi16(acc[t][0], _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 4), low), xhi));
+                    acc[t][0] = add_dot_u8s8(acc[t][0], _mm256_and_si256(v, low), xlo);
+                    acc[t][0] = add_dot_u8s8(acc[t][0], _mm256_and_si256(_mm256_srli_epi16(v, 4), low), xhi);
                 }
                 continue;
             }
@@ -213,7 +257,7 @@ INLINE void lane_tile(int TW, int TM, const uint8_t *w, long wstride, const uint
                 for (int m = 0; m < TM; m++) {
                     __m256i xv = _mm256_set1_epi32(*(const int32_t *)(xq + m * K + b * 32 + 4 * l + 16 * half));
                     for (int t = 0; t < TW; t++) {
-                        acc[t][m] = _mm256_add_epi16(acc[t][m], _mm256_maddubs_epi16(wv[t], xv));
+                        acc[t][m] = add_dot_u8s8(acc[t][m], wv[t], xv);
                         KEEP_IN_REGISTER(acc[t][m]);
                     }
                 }
@@ -222,7 +266,7 @@ INLINE void lane_tile(int TW, int TM, const uint8_t *w, long wstride, const uint
         for (int t = 0; t < TW; t++) {
             __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(gs + t * gstride + (b >> gshift) * LANE_ROWS)));
             for (int m = 0; m < TM; m++) {
-                __m256i dot = _mm256_madd_epi16(acc[t][m], ones);
+                __m256i dot = run_dot(acc[t][m]);
                 accf[t][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(scale, _mm256_set1_ps(xs[m * blocks + b])),
                                              accf[t][m]);
             }
@@ -232,20 +276,77 @@ INLINE void lane_tile(int TW, int TM, const uint8_t *w, long wstride, const uint
         for (int m = 0; m < TM; m++) _mm256_storeu_ps(y + m * ystride + t * 8, accf[t][m]);
 }
 
+#if ANNA_VNNI
+/* int4, AVX-512 VNNI: lane_tile for TW = 2 with both blocks of 8 rows in one 512-bit vector (the
+ * first block in the low half), so each instruction serves 16 rows; the int32 sums, the fp32
+ * operations and their order are lane_tile's, so the bits are too. */
+INLINE void lane_tile16(int TM, const uint8_t *w, long wstride, const uint16_t *gs, long gstride, const float *bias,
+                        const int8_t *xq, const float *xs, const int32_t *xo, long K, long G, float *y, long ystride,
+                        int prefetch) {
+    long blocks = K / 32;
+    int gshift = group_shift(G);
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    __m512 accf[LANE_TILE_X16];
+    for (int m = 0; m < TM; m++) accf[m] = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
+    for (long b = 0; b < blocks; b++) {
+        __m512i acc[LANE_TILE_X16];
+        for (int m = 0; m < TM; m++)
+            acc[m] = _mm512_set1_epi32((int32_t)(int16_t)(xo[m * blocks + b] & 0xFFFF) +
+                                       (int32_t)(int16_t)(xo[m * blocks + b] >> 16));
+        if (prefetch)
+            for (int t = 0; t < 2; t++) {
+                const char *p = (const char *)(w + t * wstride + b * 128) + PREFETCH_BYTES;
+                _mm_prefetch(p, _MM_HINT_T0);
+                _mm_prefetch(p + 64, _MM_HINT_T0);
+            }
+        _Pragma("GCC unroll 1") for (int l = 0; l < 4; l++) {
+            const uint8_t *p = w + b * 128 + l * 32;
+            __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)p)),
+                                           _mm256_loadu_si256((const __m256i *)(p + wstride)), 1);
+            __m512i vlo = _mm512_and_si512(v, low), vhi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+            for (int m = 0; m < TM; m++) {
+                const int8_t *xp = xq + m * K + b * 32 + 4 * l;
+                acc[m] = _mm512_dpbusd_epi32(acc[m], vlo, _mm512_set1_epi32(*(const int32_t *)xp));
+                acc[m] = _mm512_dpbusd_epi32(acc[m], vhi, _mm512_set1_epi32(*(const int32_t *)(xp + 16)));
+            }
+        }
+        const uint16_t *sp = gs + (b >> gshift) * LANE_ROWS;
+        __m512 scale = _mm512_cvtph_ps(_mm256_inserti128_si256(
+            _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)sp)), _mm_loadu_si128((const __m128i *)(sp + gstride)), 1));
+        for (int m = 0; m < TM; m++)
+            accf[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[m]), _mm512_mul_ps(scale, _mm512_set1_ps(xs[m * blocks + b])),
+                                      accf[m]);
+    }
+    for (int m = 0; m < TM; m++) _mm512_storeu_ps(y + m * ystride, accf[m]);
+}
+#endif
+
 /* int4: TW (1 or 2) blocks of 8 rows starting at row n, for rows [m0, m1) of x. */
 INLINE void run_lanes(int TW, const int8_t *xq, const float *xs, const int32_t *xo, const uint8_t *w, const uint16_t *ws,
                       const float *bias, float *y, long N, long K, long G, long n, long m0, long m1) {
     long blocks = K / 32, wstride = LANE_ROWS * K / 2, gstride = LANE_ROWS * (K / G);
     const uint8_t *wp = w + n * (K / 2);
     const uint16_t *gp = ws + n * (K / G);
+    const float *bp = bias ? bias + n : NULL;
+#if ANNA_VNNI
+    if (TW == 2) {  /* 32 registers: tiles of up to LANE_TILE_X16 rows of x */
+        for (long m = m0; m < m1; m += LANE_TILE_X16) {
+            long tm = m1 - m < LANE_TILE_X16 ? m1 - m : LANE_TILE_X16;
+#define LANE_CASE(T) \
+    case T: lane_tile16(T, wp, wstride, gp, gstride, bp, xq + m * K, xs + m * blocks, xo + m * blocks, K, G, \
+                        y + m * N + n, N, m == m0); break;
+            switch (tm) { LANE_CASE(1) LANE_CASE(2) LANE_CASE(3) LANE_CASE(4) LANE_CASE(5) LANE_CASE(6) LANE_CASE(7)
+                          default: LANE_CASE(8) }
+#undef LANE_CASE
+        }
+        return;
+    }
+#endif
     for (long m = m0; m < m1; m += LANE_TILE_X) {
-        const int8_t *xp = xq + m * K;
-        const float *sp = xs + m * blocks;
-        const int32_t *op = xo + m * blocks;
-        float *yp = y + m * N + n;
         long tm = m1 - m < LANE_TILE_X ? m1 - m : LANE_TILE_X;
 #define LANE_CASE(T) \
-    case T: lane_tile(TW, T, wp, wstride, gp, gstride, bias ? bias + n : NULL, xp, sp, op, K, G, yp, N, m == m0); break;
+    case T: lane_tile(TW, T, wp, wstride, gp, gstride, bp, xq + m * K, xs + m * blocks, xo + m * blocks, K, G, \
+                      y + m * N + n, N, m == m0); break;
         switch (tm) { LANE_CASE(1) LANE_CASE(2) LANE_CASE(3) default: LANE_CASE(4) }
 #undef LANE_CASE
     }
