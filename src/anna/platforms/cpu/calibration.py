@@ -7,8 +7,8 @@ as AVX2-only, AVX-512 and AMX CPUs, where the crossovers differ several-fold. So
 on a new host times the model's own layers through the model's own ops (a few seconds, bounded
 by BUDGET_S, before serving: never on the request path) and keeps the result in
 ``{cache_dir}/calibration/<key>.json``. The key covers the CPU model, its core count and
-instruction sets, the thread count, torch's and Anna's versions, and the model's dtype, format
-and linear shapes; anything else that changed selects another file. The values are the default
+instruction sets, the thread count, torch's and Anna's versions, the build of Anna's kernels,
+and the model's dtype, format and linear shapes; anything else that changed selects another file. The values are the default
 layer: a flag or ANNA_* value still wins (the settings table says ``calibrated`` where one was
 used), ``anna tune MODEL`` measures again, ``--no-calibrate`` keeps the built-in values.
 
@@ -117,7 +117,8 @@ def calibration_key(host: dict[str, Any], model_ident: dict[str, Any]) -> str:
 
 def model_identity(groups: list[LayerGroup], ops: Any, max_chunk: int) -> dict[str, Any]:
     shapes = sorted([_format(g.layer), g.layer.out_features, g.layer.in_features, g.count, g.lm_head] for g in groups)
-    return {"shapes": shapes, "kernels": ops.kernels is not None, "bf16_matmul": ops.routing.bf16_matmul,
+    return {"shapes": shapes, "kernels": ops.kernels.build_id if ops.kernels is not None else None,
+            "bf16_matmul": ops.routing.bf16_matmul,
             "int4_matmul": ops.routing.int4_matmul, "max_chunk": max_chunk}
 
 

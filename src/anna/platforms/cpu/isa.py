@@ -3,8 +3,9 @@ start from /proc/cpuinfo, named in the start-up log, and the only place kernels 
 
 Levels, each including the one before: avx2 (avx2 + fma + f16c: Anna's C kernels), avx512 (F,
 BW, DQ, VL), avx512_vnni (int8 dot products), avx512_bf16 (bf16 dot products), amx (AMX tiles for
-bf16 and int8). What a level changes: from avx512_vnni on, Anna's kernels are built with AVX-512
-and run the int8/int4 dot products on vpdpbusd (kernels.py: LEVEL_CFLAGS); from avx512_bf16 on,
+bf16 and int8). What a level changes: from avx512 on, Anna's kernels are built with AVX-512 (the
+weight-streaming matmul in 512-bit vectors), from avx512_vnni on they run the int8/int4 dot
+products on vpdpbusd (kernels.py: LEVEL_CFLAGS); from avx512_bf16 on,
 a bf16 model's matmuls of many rows (prefill, batched decode) run as bf16 matmuls in oneDNN,
 which uses AVX512-BF16 or AMX (Linux's AMX permission request is oneDNN's own), instead of
 converting the weights to fp32, its gated MLP keeps its intermediate rows in bf16, and its

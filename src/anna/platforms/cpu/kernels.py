@@ -1,5 +1,5 @@
 """Anna's compiled CPU kernels (C), built with the system C compiler on first use, once per kernel
-level (LEVEL_CFLAGS: AVX2/FMA/F16C, and AVX-512 with VNNI for the quantized dot products) and
+level (LEVEL_CFLAGS: AVX2/FMA/F16C, AVX-512, and AVX-512 with VNNI for the quantized dot products) and
 source hash. Loaded through ctypes, which releases the GIL during each call. Where no compiler
 or no AVX2 is available, Anna runs torch's kernels instead (one warning)."""
 
@@ -27,10 +27,13 @@ HEADERS = [KERNEL_DIR / name for name in ("work_split.h", "decode_common.h")]
 CFLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC"]
 # The levels the kernels are built for (isa.py's names), each with the instruction sets it may use;
 # a CPU runs the highest one it has (or the one --cpu-isa forces).
+# avx512: the weight-streaming kernel in 512-bit vectors (csrc/cpu_kernels.c); avx512_vnni: also the
+# quantized dot products on vpdpbusd and int4 tiles of 16 rows (csrc/quant_kernels.c).
+_AVX512 = ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl"]
 LEVEL_CFLAGS = {
     "avx2": ["-mavx2", "-mfma", "-mf16c"],
-    "avx512_vnni": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl",
-                    "-mavx512vnni"],
+    "avx512": _AVX512,
+    "avx512_vnni": [*_AVX512, "-mavx512vnni"],
 }
 WEIGHT_TYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 UNPACK_SCRATCH_BYTES = 128 << 20
@@ -69,6 +72,7 @@ class CpuKernels:
 
     def __init__(self, library: Path, level: str = "avx2") -> None:
         self.level = level  # the kernel level it was built for (LEVEL_CFLAGS)
+        self.build_id = library.stem  # the level and the hash of the sources and flags
         lib = ctypes.CDLL(str(library))
         p, i, l, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
         lib.anna_gemv.argtypes = [p, p, i, p, p, i, l, l, i]

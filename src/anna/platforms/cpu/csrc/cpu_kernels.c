@@ -110,6 +110,97 @@ INLINE void run_blocks(const float *x, const void *w, int wtype, const float *bi
     free(wf);
 }
 
+#ifdef __AVX512F__
+/* The avx512 levels' build (kernels.py: LEVEL_CFLAGS): the same blocks of 4 interleaved rows, 16
+ * columns of a row per 512-bit vector (its two runs of 8, 32 values apart), 32 registers, so up
+ * to 6 rows of x share each weight vector (24 accumulators). K must be a multiple of 16. */
+#define X_ROWS16 6
+
+INLINE __m512 load16(const void *blk, int st, long off, int r) {
+    if (st == 3) return _mm512_load_ps((const float *)blk + off + r * 16);  /* the converted block below */
+    if (st == 2) {
+        const float *f = (const float *)blk + off + r * 8;
+        return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(f)), _mm256_loadu_ps(f + 32), 1);
+    }
+    const uint16_t *h = (const uint16_t *)blk + off + r * 8;
+    __m256i both = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)h)),
+                                           _mm_loadu_si128((const __m128i *)(h + 32)), 1);
+    if (st == 1) return _mm512_cvtph_ps(both);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(both), 16));
+}
+
+#define DEFINE_BLOCK16(MM)                                                                                   \
+    INLINE void block16_##MM(const float *x, const void *blk, int st, const float *bias, float *y, long N,    \
+                             long n, long K, int prefetch) {                                                 \
+        __m512 acc[PACK_ROWS][MM];                                                                           \
+        for (int r = 0; r < PACK_ROWS; r++)                                                                  \
+            for (int m = 0; m < MM; m++) acc[r][m] = _mm512_setzero_ps();                                    \
+        long esize = st >= 2 ? 4 : 2;                                                                        \
+        for (long k = 0; k < K; k += 16) {                                                                   \
+            long off = k * PACK_ROWS;                                                                        \
+            if (prefetch) {                                                                                  \
+                _mm_prefetch((const char *)blk + off * esize + PREFETCH_BYTES, _MM_HINT_T0);                \
+                _mm_prefetch((const char *)blk + off * esize + PREFETCH_BYTES + 64, _MM_HINT_T0);           \
+            }                                                                                                \
+            __m512 xv[MM];                                                                                   \
+            for (int m = 0; m < MM; m++) xv[m] = _mm512_loadu_ps(x + m * K + k);                            \
+            for (int r = 0; r < PACK_ROWS; r++) {                                                            \
+                __m512 wv = load16(blk, st, off, r);                                                         \
+                for (int m = 0; m < MM; m++) acc[r][m] = _mm512_fmadd_ps(wv, xv[m], acc[r][m]);             \
+            }                                                                                                \
+        }                                                                                                    \
+        for (int r = 0; r < PACK_ROWS; r++)                                                                  \
+            for (int m = 0; m < MM; m++)                                                                     \
+                y[m * N + n + r] = _mm512_reduce_add_ps(acc[r][m]) + (bias ? bias[n + r] : 0.0f);          \
+    }
+DEFINE_BLOCK16(1)
+DEFINE_BLOCK16(2)
+DEFINE_BLOCK16(3)
+DEFINE_BLOCK16(4)
+DEFINE_BLOCK16(5)
+DEFINE_BLOCK16(6)
+
+/* run_blocks for this build: with more than one group of x rows, each half-precision block is
+ * converted once, into fp32 in the order the vectors are read (st 3), and reused by every group. */
+INLINE void run_blocks16(const float *x, const void *w, int wtype, const float *bias, float *y, int M, long N,
+                         long b, long e, long K) {
+    float *wf = (wtype != 2 && M > X_ROWS16) ? (float *)aligned_alloc(64, sizeof(float) * PACK_ROWS * K) : 0;
+    for (long n = b; n < e; n += PACK_ROWS) {
+        const void *blk = (const char *)w + n * K * (wtype == 2 ? 4 : 2);
+        const void *src = blk;
+        int st = wtype;
+        if (wf) {
+            for (long k = 0; k < K; k += 16) {
+                _mm_prefetch((const char *)blk + k * PACK_ROWS * 2 + PREFETCH_BYTES, _MM_HINT_T0);
+                _mm_prefetch((const char *)blk + k * PACK_ROWS * 2 + PREFETCH_BYTES + 64, _MM_HINT_T0);
+                for (int r = 0; r < PACK_ROWS; r++) _mm512_store_ps(wf + k * PACK_ROWS + r * 16, load16(blk, wtype, k * PACK_ROWS, r));
+            }
+            src = wf;
+            st = 3;
+        }
+        int pf = !wf;
+        for (int m = 0; m < M; m += X_ROWS16) {
+            const float *xm = x + (long)m * K;
+            float *ym = y + (long)m * N;
+            int p = pf && m == 0;
+            switch (M - m < X_ROWS16 ? M - m : X_ROWS16) {
+            case 1: block16_1(xm, src, st, bias, ym, N, n, K, p); break;
+            case 2: block16_2(xm, src, st, bias, ym, N, n, K, p); break;
+            case 3: block16_3(xm, src, st, bias, ym, N, n, K, p); break;
+            case 4: block16_4(xm, src, st, bias, ym, N, n, K, p); break;
+            case 5: block16_5(xm, src, st, bias, ym, N, n, K, p); break;
+            default: block16_6(xm, src, st, bias, ym, N, n, K, p); break;
+            }
+        }
+    }
+    free(wf);
+}
+#define RUN_BLOCKS(x, w, t, bias, y, M, N, b, e, K) \
+    (((K) % 16 == 0) ? run_blocks16(x, w, t, bias, y, M, N, b, e, K) : run_blocks(x, w, t, bias, y, M, N, b, e, K))
+#else
+#define RUN_BLOCKS run_blocks
+#endif
+
 /* The row-major tail rows [b, e) (N % 4 of them), one dot product per row of x. */
 INLINE void run_tail(const float *x, const void *w, int wtype, const float *bias, float *y, int M, long N,
                      long b, long e, long K) {
@@ -146,9 +237,9 @@ static void gemv_groups(const float *x, const void *const *w, const float *const
                 const float *gx = x + m0 * K;
                 float *gy = y + m0 * N;
                 /* wtype is a literal at each call, so the loops are compiled once per type */
-                if (wtype == 0) run_blocks(gx, w[g], 0, bias[g], gy, rows, N, u0 * PACK_ROWS, u1 * PACK_ROWS, K);
-                else if (wtype == 1) run_blocks(gx, w[g], 1, bias[g], gy, rows, N, u0 * PACK_ROWS, u1 * PACK_ROWS, K);
-                else run_blocks(gx, w[g], 2, bias[g], gy, rows, N, u0 * PACK_ROWS, u1 * PACK_ROWS, K);
+                if (wtype == 0) RUN_BLOCKS(gx, w[g], 0, bias[g], gy, rows, N, u0 * PACK_ROWS, u1 * PACK_ROWS, K);
+                else if (wtype == 1) RUN_BLOCKS(gx, w[g], 1, bias[g], gy, rows, N, u0 * PACK_ROWS, u1 * PACK_ROWS, K);
+                else RUN_BLOCKS(gx, w[g], 2, bias[g], gy, rows, N, u0 * PACK_ROWS, u1 * PACK_ROWS, K);
                 b += u1 - u0;
             }
         }

@@ -1,0 +1,108 @@
+#!/usr/bin/env bash
+# The CPU benchmark of docs/BENCHMARKS.md ("CPU instruction sets"), on whatever machine this runs:
+# prefill (512 and 2,048 tokens), batch-1 decode and 16 streams, bf16 and int4, on the
+# Qwen2.5-0.5B-shape model, Anna against llama.cpp built on the same machine, one after the other
+# in one run. Anna's prefill also runs forced down to --cpu-isa avx2 (the path before AVX-512
+# and AMX were used) and reports the fraction of the model's torch matmul ceiling it reaches.
+#
+#   python benchmarks/make_random_model.py --out benchmarks/models/qwen2.5-0.5b
+#   python benchmarks/export_gguf.py ...            # the F16 GGUF; llama-quantize ... Q4_0 for the Q4_0 one
+#   LLAMA_BIN=/path/llama.cpp/build/bin LLAMA_Q4_BIN=/path/llama.cpp/build-noamx/bin \
+#   LLAMA_SERVER_BIN=/path/llama.cpp/build-noamx/bin F16=qwen2.5-0.5b-f16.gguf Q4=qwen2.5-0.5b-q4_0.gguf \
+#       bash benchmarks/cpu_isa_pairs.sh benchmarks/results/isa/run1
+#
+# LLAMA_Q4_BIN: the build that runs Q4_0 here (on AMX Xeons the native build dies with an illegal
+# instruction on Q4_0: build it with -mno-amx-tile -mno-amx-int8 -mno-amx-bf16). Every result is
+# a file under the output folder; the CPU's name and flags are in cpu.txt.
+set -euo pipefail
+OUT=${1:?output folder}
+MODEL=${MODEL:-benchmarks/models/qwen2.5-0.5b}
+LLAMA_BIN=${LLAMA_BIN:?llama.cpp bin folder}
+LLAMA_Q4_BIN=${LLAMA_Q4_BIN:-$LLAMA_BIN}
+LLAMA_SERVER_BIN=${LLAMA_SERVER_BIN:-$LLAMA_BIN}
+F16=${F16:?F16 GGUF}
+Q4=${Q4:?Q4_0 GGUF}
+STEPS=${STEPS:-prefill decode streams}
+mkdir -p "$OUT"
+{ grep -m1 "model name" /proc/cpuinfo; grep -m1 "^flags" /proc/cpuinfo; nproc; } > "$OUT/cpu.txt"
+
+for step in $STEPS; do
+  case $step in
+  prefill)
+    for n in 512 2048; do
+      for isa in auto avx2; do
+        python benchmarks/prefill_bench.py --model "$MODEL" --prompt-tokens $n --cpu-isa $isa \
+          --out "$OUT/prefill_bf16_${n}_${isa}.json" > /dev/null 2>&1
+      done
+      python benchmarks/prefill_bench.py --model "$MODEL" --prompt-tokens $n --quantization int4 \
+        --out "$OUT/prefill_int4_${n}_auto.json" > /dev/null 2>&1
+      "$LLAMA_BIN/llama-bench" -m "$F16" -t 2 -p $n -n 0 -r 2 -o json > "$OUT/llamacpp_prefill_f16_$n.json"
+      "$LLAMA_Q4_BIN/llama-bench" -m "$Q4" -t 2 -p $n -n 0 -r 2 -o json > "$OUT/llamacpp_prefill_q4_0_$n.json"
+    done ;;
+  decode)
+    for q in none int4; do
+      python benchmarks/decode_bench.py --model "$MODEL" --prompt-tokens 64 --new-tokens 128 --repeats 3 \
+        --no-transformers --quantization $q --out "$OUT/decode_$q.json" > /dev/null 2>&1
+    done
+    "$LLAMA_BIN/llama-bench" -m "$F16" -t 2 -p 0 -n 128 -r 3 -o json > "$OUT/llamacpp_decode_f16.json"
+    "$LLAMA_Q4_BIN/llama-bench" -m "$Q4" -t 2 -p 0 -n 128 -r 3 -o json > "$OUT/llamacpp_decode_q4_0.json"
+    ;;
+  streams)
+    for q in none int4; do
+      for streams in 1 16; do
+        anna serve --model "$MODEL" --quantization $q --max-num-seqs 16 --port 8000 --served-model-name qwen \
+          --log-level warning > "$OUT/anna_serve_$q.log" 2>&1 &
+        pid=$!
+        python benchmarks/server_streams.py --base-url http://127.0.0.1:8000 --model qwen --streams $streams \
+          > "$OUT/streams_anna_${q}_$streams.json"
+        kill $pid; wait $pid || true
+      done
+    done
+    for gguf in "$F16" "$Q4"; do
+      name=$([ "$gguf" = "$F16" ] && echo f16 || echo q4_0)
+      for streams in 1 16; do
+        "$LLAMA_SERVER_BIN/llama-server" -m "$gguf" -t 2 -np $streams -c $((streams * 256)) -b 2048 -ub 512 \
+          --port 8081 > "$OUT/llama_server_$name.log" 2>&1 &
+        pid=$!
+        python benchmarks/server_streams.py --base-url http://127.0.0.1:8081 --model qwen --streams $streams \
+          > "$OUT/streams_llamacpp_${name}_$streams.json"
+        kill $pid; wait $pid || true
+      done
+    done ;;
+  esac
+done
+python - "$OUT" <<'EOF'
+import json, sys
+from pathlib import Path
+out = Path(sys.argv[1])
+def read(name):
+    p = out / name
+    return json.loads(p.read_text()) if p.exists() else None
+def llama(name):
+    data = read(name)
+    return None if not data else data[0]["avg_ts"]
+rows = []
+for n in (512, 2048):
+    for isa in ("auto", "avx2"):
+        r = read(f"prefill_bf16_{n}_{isa}.json")
+        if r:
+            rows.append(f"prefill {n} bf16 --cpu-isa {isa} ({r['cpu_isa']}): {r['prefill_tok_s']} tok/s, matmul ceiling "
+                        f"{r['matmul_ceiling_tok_s']} tok/s, fraction {r['fraction']}")
+    r = read(f"prefill_int4_{n}_auto.json")
+    if r:
+        rows.append(f"prefill {n} int4: {r['prefill_tok_s']} tok/s")
+    rows.append(f"prefill {n} llama.cpp F16: {llama(f'llamacpp_prefill_f16_{n}.json')} tok/s, "
+                f"Q4_0: {llama(f'llamacpp_prefill_q4_0_{n}.json')} tok/s")
+for q in ("none", "int4"):
+    r = read(f"decode_{q}.json")
+    if r:
+        rows.append(f"decode batch 1 Anna {q}: {r['anna']['decode_tok_s']:.1f} tok/s")
+rows.append(f"decode batch 1 llama.cpp F16: {llama('llamacpp_decode_f16.json')}, Q4_0: {llama('llamacpp_decode_q4_0.json')}")
+for who in ("anna_none", "anna_int4", "llamacpp_f16", "llamacpp_q4_0"):
+    for s in (1, 16):
+        r = read(f"streams_{who}_{s}.json")
+        if r:
+            rows.append(f"streams {who} x{s}: {r['best_aggregate_tok_s']} tok/s")
+(out / "summary.txt").write_text("\n".join(rows) + "\n")
+print("\n".join(rows))
+EOF
