@@ -24,9 +24,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from anna import LLM, SamplingParams
+from anna import LLM
 from anna.model.linear import Linear, QuantLinear
 from anna.platforms.cpu.isa import detect_isa
+from throughput_bench import ttft  # (benchmarks/ is on the path when this runs as a script)
 
 
 def linear_shapes(llm: LLM) -> Counter:
@@ -55,15 +56,6 @@ def best_matmul_s(n: int, k: int, m: int) -> tuple[float, str]:
     return best
 
 
-def prefill_s(llm: LLM, prompt: list[int], tag: str) -> float:
-    engine = llm.llm_engine
-    t0 = time.perf_counter()
-    engine.add_request(tag, prompt, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
-    while engine.has_unfinished_requests():
-        engine.step()
-    return time.perf_counter() - t0
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True)
@@ -86,10 +78,10 @@ def main() -> None:
     def prompt(i: int) -> list[int]:
         return torch.randint(3, vocab, (m,), generator=gen).tolist()
 
-    prefill_s(llm, prompt(0), "warm")
+    ttft(llm.llm_engine, prompt(0), "warm")
     prefills, ceilings, paths = [], [], {}
     for r in range(args.repeats):
-        prefills.append(prefill_s(llm, prompt(r + 1), f"r{r}"))
+        prefills.append(ttft(llm.llm_engine, prompt(r + 1), f"r{r}"))
         total = 0.0
         for (n, k), count in shapes.items():
             seconds, path = best_matmul_s(n, k, m)
