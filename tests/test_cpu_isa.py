@@ -190,3 +190,31 @@ def test_int4_dequantized_gemm_in_bf16_stays_with_fp32(hf_models, cache_dir, tmp
         got[bf16] = run_logits(llm.llm_engine, prompt, 0)[0][: len(prompt)].float()
     rel = ((got[True] - got[False]).norm() / got[False].norm()).item()
     assert 0 < rel < 0.01, rel
+
+
+@pytest.mark.parametrize("level", ["avx2", "avx512", "avx512_vnni"])
+@pytest.mark.parametrize("quantization", ["none", "int4"])
+def test_every_kernel_level_stays_with_transformers_through_the_model(level, quantization, hf_models, cache_dir,
+                                                                      tmp_path):
+    """Each kernel build the CPU has (the others skipped, saying why), forced with cpu_isa, serves
+    a whole model: the fp32 model's prefill and fused-stack decode logits match transformers', the
+    int4 model's match transformers on the dequantized weights (the packed kernels round x to int8
+    per 32 values)."""
+    from anna.runtime.engine import LLMEngine
+    from conftest import engine_settings, kernels_at_level
+    from helpers import assert_logits_close, fake_quantized, hf_logits, run_logits
+
+    kernels_at_level(level, cache_dir)  # skips a level this CPU lacks
+    model, path = hf_models["qwen2"]
+    engine = LLMEngine(engine_settings(path, cache_dir, cpu_isa=level, quantization=quantization,
+                                       int4_cache_dir=str(tmp_path)), show_progress=False)
+    assert engine.runner.model.norm.ops.kernels.level == level
+    assert engine.decode_executor == "graph"  # decode runs the fused C stack built at this level
+    prompt = [(i * 37 + 11) % 700 + 3 for i in range(40)]
+    logits, tokens = run_logits(engine, prompt, 6)
+    seq = prompt + tokens[:-1]
+    if quantization == "none":
+        assert_logits_close(logits, hf_logits(model, seq))
+    else:
+        fake = hf_logits(fake_quantized(model, quantization), seq)
+        assert ((logits - fake).norm() / fake.norm()).item() < 0.02
