@@ -66,7 +66,7 @@ def main() -> None:
             "dequant": lambda x, w: F.linear(x, kernels.dequant(w[0], w[1], kind, group, x.shape[-1])),
             # what a bf16 model runs on a CPU with hardware bf16 (--cpu-isa avx512_bf16 or amx)
             "dequant_bf16": lambda x, w: F.linear(x.to(torch.bfloat16), kernels.dequant(
-                w[0], w[1], kind, group, x.shape[-1]).to(torch.bfloat16)).float(),
+                w[0], w[1], kind, group, x.shape[-1], dtype=torch.bfloat16)).float(),
         }
     else:
         strategies = {

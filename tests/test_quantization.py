@@ -308,3 +308,17 @@ def test_the_vnni_build_gives_the_avx2_builds_bits(kind, group, cache_dir):
     for m in range(1, 131):
         x = torch.randn(m, 256, generator=g)
         assert torch.equal(layers[0](x), layers[1](x)), m
+
+
+@pytest.mark.parametrize("kind, group", [("int8", 0), ("int4", 32), ("int4", 128)])
+def test_dequantizing_to_bf16_rounds_the_fp32_values(kind, group, kernels):
+    """The bf16 operand of a dequantized bf16 GEMM is the fp32 dequantization rounded to nearest
+    even, for every row: in blocks, the int4 odd block and the tail."""
+    layer = make_layer(kind, group or 32, kernels, "dequant", (70, 37))
+    layer.interleave_for_cpu_kernel()
+    args = (layer.qweight, layer.scales, layer.kind, layer.group, layer.in_features)
+    fp32 = kernels.dequant(*args).clone()
+    bf16 = kernels.dequant(*args, dtype=torch.bfloat16)
+    assert bf16.dtype == torch.bfloat16 and torch.equal(bf16, fp32.to(torch.bfloat16))
+    rows = torch.tensor([0, 9, 103, 106])
+    assert torch.equal(kernels.dequant(*args, rows=rows, dtype=torch.bfloat16), fp32[rows].to(torch.bfloat16))

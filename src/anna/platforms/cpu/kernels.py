@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 KERNEL_DIR = Path(__file__).parent / "csrc"
 SOURCES = [KERNEL_DIR / name for name in ("cpu_kernels.c", "quant_kernels.c", "decode_layers.c",
                                                      "gated_delta.c", "decode_hybrid.c")]
-HEADERS = [KERNEL_DIR / name for name in ("work_split.h", "decode_common.h")]
+HEADERS = [KERNEL_DIR / name for name in ("work_split.h", "decode_common.h", "bf16.h")]
 CFLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC"]
 # The levels the kernels are built for (isa.py's names), each with the instruction sets it may use;
 # a CPU runs the highest one it has (or the one --cpu-isa forces).
@@ -85,7 +85,7 @@ class CpuKernels:
         lib.anna_paged_decode_attention.argtypes = [p, p, p, p, l, p, l, l, l, l, l, l, f, p, i]
         lib.anna_qgemm.argtypes = [p, p, p, i, l, p, p, l, l, l, i]
         lib.anna_qgemm_experts.argtypes = [p, p, p, p, p, l, i, l, p, l, l, i]
-        lib.anna_dequant.argtypes = [p, p, i, l, p, l, l, l, p, i]
+        lib.anna_dequant.argtypes = [p, p, i, l, p, l, l, l, p, i, i]
         lib.anna_decode_layers.argtypes = [ctypes.POINTER(AnnaLayer), l, p, l, l, l, l, l, l, f, p, p, p, l, p, l, l,
                                            f, p, p, p, p, i]
         lib.anna_argmax_rows.argtypes = [p, l, l, p, i]
@@ -185,18 +185,18 @@ class CpuKernels:
         return y
 
     def dequant(self, qweight: torch.Tensor, scales: torch.Tensor, kind: int, group: int, k: int,
-                rows: torch.Tensor | None = None) -> torch.Tensor:
-        """fp32 row-major weights of the given rows of an interleaved quantized weight: all rows (for one
-        matmul, see _matmul_operand) when None."""
+                rows: torch.Tensor | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Row-major weights (fp32, or bf16 rounded from the fp32 values) of the given rows of an
+        interleaved quantized weight: all rows (for one matmul, see _matmul_operand) when None."""
         n = qweight.shape[0]
         if rows is None:
-            count, idx, out = n, None, self._matmul_operand(n, k)
+            count, idx, out = n, None, self._matmul_operand(n, k, dtype)
         else:
             idx = rows.to(torch.long).reshape(-1).contiguous()
             count = idx.numel()
-            out = torch.empty(count, k, dtype=torch.float32)
+            out = torch.empty(count, k, dtype=dtype)
         self.lib.anna_dequant(qweight.data_ptr(), scales.data_ptr(), kind, group, _ptr(idx), count, n, k,
-                              out.data_ptr(), torch.get_num_threads())
+                              out.data_ptr(), int(dtype == torch.bfloat16), torch.get_num_threads())
         return out
 
     def decode_layers(self, layers: ctypes.Array, embeddings: torch.Tensor, *, heads: int, kv_heads: int,

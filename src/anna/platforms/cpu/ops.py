@@ -101,8 +101,12 @@ class CpuKernelOps(CpuTorchOps):
         return not served(layer, rows) and super().runs_bf16(layer, rows)
 
     def bf16_weight(self, layer: Any) -> torch.Tensor:
-        if isinstance(layer, QuantLinear) or not layer.interleaved:
+        if not layer.interleaved:
             return super().bf16_weight(layer)
+        if isinstance(layer, QuantLinear):  # dequantized straight to bf16 in C
+            with self.region("dequantize"):
+                return self.kernels.dequant(layer.qweight, layer.scales, layer.kind, layer.group, layer.in_features,
+                                            dtype=torch.bfloat16)
         return self.kernels.deinterleave(layer.weight, keep_dtype=True)
 
     def linear(self, layer: Any, x: torch.Tensor) -> torch.Tensor:

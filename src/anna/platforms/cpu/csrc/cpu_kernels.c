@@ -11,6 +11,7 @@
 #include <math.h>
 #include <stdlib.h>
 
+#include "bf16.h"
 #include "work_split.h"
 
 #define INLINE static inline __attribute__((always_inline))
@@ -313,20 +314,6 @@ INLINE __m256 exp8(__m256 x) {
     p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
     __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
-
-/* fp32 -> bf16, rounding to nearest even (finite values; what torch's conversion gives them). */
-INLINE void store8_bf16(uint16_t *dst, __m256 v) {
-    __m256i b = _mm256_castps_si256(v);
-    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
-    b = _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
-    _mm_storeu_si128((__m128i *)dst, _mm_packus_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1)));
-}
-
-INLINE uint16_t to_bf16(float f) {
-    uint32_t b;
-    __builtin_memcpy(&b, &f, 4);
-    return (uint16_t)((b + 0x7FFF + ((b >> 16) & 1)) >> 16);
 }
 
 /* The gated MLP's activation: out[t, i] = silu(gate[t, i]) * up[t, i], where each row of gate_up

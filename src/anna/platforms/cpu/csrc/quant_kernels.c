@@ -26,6 +26,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "bf16.h"
 #include "work_split.h"
 
 #define INLINE static inline __attribute__((always_inline))
@@ -451,10 +452,12 @@ void anna_qgemm_experts(const float *x, const int64_t *w, const int64_t *ws, con
     free(gb);
 }
 
-/* Dequantize rows of packed weights (all N when rows is NULL, else the R listed) to fp32
- * row-major: the "dequant" strategy for large M, and embedding lookups. */
+/* Dequantize rows of packed weights (all N when rows is NULL, else the R listed) to row-major fp32,
+ * or (bf16 != 0) to bf16 rounded from the same fp32 values: the "dequant" strategy for large M
+ * (bf16 where that GEMM runs in bf16), and embedding lookups. Each run of 32 values is computed
+ * into `run` and then written in the output's type. */
 void anna_dequant(const void *w, const void *ws, int kind, long G, const long *rows, long R, long N, long K,
-                  float *out, int threads) {
+                  void *out, int bf16, int threads) {
     long block_rows = kind == 0 ? PACK_ROWS : LANE_ROWS;
     long packed = N / block_rows * block_rows, groups = kind == 1 ? K / G : 0;
     #pragma omp parallel for num_threads(threads) if (R > 16)
@@ -462,20 +465,17 @@ void anna_dequant(const void *w, const void *ws, int kind, long G, const long *r
         long n = rows ? rows[i] : i;
         int in_block = n < packed;
         long r = in_block ? n % block_rows : 0, first = in_block ? n - r : n;  /* the block's first row */
-        float *o = out + i * K;
-        if (kind == 0) {
-            long lanes = in_block ? PACK_ROWS : 1;  /* rows interleaved at this row's position */
-            const int8_t *base = (const int8_t *)w + first * K;
-            for (long k = 0; k < K; k += 32) {
-                const int8_t *p = base + k * lanes + r * 32;
-                for (int j = 0; j < 32; j++) o[k + j] = p[j] * ((const float *)ws)[n];
-            }
-        } else if (in_block) {
-            const uint8_t *base = (const uint8_t *)w + first * (K / 2);
-            const uint16_t *gs = (const uint16_t *)ws + first * groups;
-            const __m128i low = _mm_set1_epi8(0x0F);
-            const __m128 eight = _mm_set1_ps(8.0f);
-            for (long k = 0; k < K; k += 32) {
+        for (long k = 0; k < K; k += 32) {
+            float run[32];
+            if (kind == 0) {
+                long lanes = in_block ? PACK_ROWS : 1;  /* rows interleaved at this row's position */
+                const int8_t *p = (const int8_t *)w + first * K + k * lanes + r * 32;
+                for (int j = 0; j < 32; j++) run[j] = p[j] * ((const float *)ws)[n];
+            } else if (in_block) {
+                const uint8_t *base = (const uint8_t *)w + first * (K / 2);
+                const uint16_t *gs = (const uint16_t *)ws + first * groups;
+                const __m128i low = _mm_set1_epi8(0x0F);
+                const __m128 eight = _mm_set1_ps(8.0f);
                 __m128 s = _mm_set1_ps(_cvtsh_ss(gs[(k / G) * LANE_ROWS + r]));
                 for (int l = 0; l < 4; l++) {  /* this row's 4 bytes of vector l: 4 + 4 weights */
                     int32_t word;
@@ -483,18 +483,21 @@ void anna_dequant(const void *w, const void *ws, int kind, long G, const long *r
                     __m128i v = _mm_cvtsi32_si128(word);
                     __m128 lo = _mm_cvtepi32_ps(_mm_cvtepu8_epi32(_mm_and_si128(v, low)));
                     __m128 hi = _mm_cvtepi32_ps(_mm_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(v, 4), low)));
-                    _mm_storeu_ps(o + k + 4 * l, _mm_mul_ps(_mm_sub_ps(lo, eight), s));
-                    _mm_storeu_ps(o + k + 16 + 4 * l, _mm_mul_ps(_mm_sub_ps(hi, eight), s));
+                    _mm_storeu_ps(run + 4 * l, _mm_mul_ps(_mm_sub_ps(lo, eight), s));
+                    _mm_storeu_ps(run + 16 + 4 * l, _mm_mul_ps(_mm_sub_ps(hi, eight), s));
+                }
+            } else {
+                const uint8_t *p = (const uint8_t *)w + n * (K / 2);
+                float s = _cvtsh_ss(((const uint16_t *)ws)[n * groups + k / G]);
+                for (int j = 0; j < 16; j++) {
+                    run[j] = (float)((p[k / 2 + j] & 0x0F) - 8) * s;
+                    run[16 + j] = (float)((p[k / 2 + j] >> 4) - 8) * s;
                 }
             }
-        } else {
-            const uint8_t *p = (const uint8_t *)w + n * (K / 2);
-            const uint16_t *gs = (const uint16_t *)ws + n * groups;
-            for (long k = 0; k < K; k += 32)
-                for (int j = 0; j < 16; j++) {
-                    o[k + j] = (float)((p[k / 2 + j] & 0x0F) - 8) * _cvtsh_ss(gs[k / G]);
-                    o[k + 16 + j] = (float)((p[k / 2 + j] >> 4) - 8) * _cvtsh_ss(gs[k / G]);
-                }
+            if (bf16)
+                for (int j = 0; j < 32; j += 8) store8_bf16((uint16_t *)out + i * K + k + j, _mm256_loadu_ps(run + j));
+            else
+                __builtin_memcpy((float *)out + i * K + k, run, sizeof(run));
         }
     }
 }
