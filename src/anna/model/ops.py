@@ -80,11 +80,13 @@ class ModelOps:
         with self.region(layer.profile_name or "matmul:torch"):
             return F.linear(x, layer.weight, layer.bias)
 
-    def dequantize(self, layer: Any, rows: torch.Tensor | None = None) -> torch.Tensor:
-        """fp32 row-major weights of a QuantLinear (of the given rows)."""
+    def dequantize(self, layer: Any, rows: torch.Tensor | None = None,
+                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Row-major weights of a QuantLinear (of the given rows): fp32, or rounded from it to ``dtype``."""
         q = layer.qweight if rows is None else layer.qweight[rows]
         s = layer.scales if rows is None else layer.scales[rows]
-        return dequantize_int8(q, s) if layer.kind == 0 else dequantize_int4(q, s, layer.group)
+        w = dequantize_int8(q, s) if layer.kind == 0 else dequantize_int4(q, s, layer.group)
+        return w.to(dtype)
 
     def quant_linear(self, layer: Any, x: torch.Tensor) -> torch.Tensor:
         fmt = "int8" if layer.kind == 0 else "int4"

@@ -44,7 +44,7 @@ import torch
 
 import anna
 from anna.model.linear import Linear, QuantLinear
-from anna.platforms.cpu.isa import CpuIsa
+from anna.platforms.cpu.isa import LEVEL_FLAGS, CpuIsa
 
 log = logging.getLogger(__name__)
 
@@ -91,8 +91,7 @@ def layer_groups(model: torch.nn.Module) -> list[LayerGroup]:
         if not isinstance(module, (Linear, QuantLinear)):
             continue
         lm_head = name.split(".")[-1] == "lm_head"
-        fmt = (f"q{module.kind}g{module.group}" if isinstance(module, QuantLinear) else str(module.weight.dtype))
-        key = (fmt, module.out_features, module.in_features, module.bias is not None, lm_head)
+        key = (_format(module), module.out_features, module.in_features, module.bias is not None, lm_head)
         if key in groups:
             groups[key][1] += 1
         else:
@@ -106,8 +105,7 @@ def host_identity(isa: CpuIsa) -> dict[str, Any]:
             "anna": anna.__version__}
 
 
-_ISA_FLAGS = frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni",
-                        "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8"})
+_ISA_FLAGS = frozenset(flag for flags in LEVEL_FLAGS.values() for flag in flags)  # the flags the levels read
 
 
 def calibration_key(host: dict[str, Any], model_ident: dict[str, Any]) -> str:

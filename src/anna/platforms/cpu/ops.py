@@ -37,7 +37,7 @@ class CpuTorchOps(ModelOps):
         the next call: see CpuKernels._matmul_operand)."""
         if isinstance(layer, QuantLinear):
             with self.region("dequantize"):
-                return self.dequantize(layer).to(torch.bfloat16)
+                return self.dequantize(layer, dtype=torch.bfloat16)
         return layer.weight
 
     def linear(self, layer: Any, x: torch.Tensor) -> torch.Tensor:
@@ -101,12 +101,8 @@ class CpuKernelOps(CpuTorchOps):
         return not served(layer, rows) and super().runs_bf16(layer, rows)
 
     def bf16_weight(self, layer: Any) -> torch.Tensor:
-        if not layer.interleaved:
+        if isinstance(layer, QuantLinear) or not layer.interleaved:  # (dequantize: straight to bf16 in C)
             return super().bf16_weight(layer)
-        if isinstance(layer, QuantLinear):  # dequantized straight to bf16 in C
-            with self.region("dequantize"):
-                return self.kernels.dequant(layer.qweight, layer.scales, layer.kind, layer.group, layer.in_features,
-                                            dtype=torch.bfloat16)
         return self.kernels.deinterleave(layer.weight, keep_dtype=True)
 
     def linear(self, layer: Any, x: torch.Tensor) -> torch.Tensor:
@@ -123,10 +119,12 @@ class CpuKernelOps(CpuTorchOps):
             return ModelOps.linear(self, layer, x)
         return _upcast_linear(self, layer, x, w)
 
-    def dequantize(self, layer: Any, rows: torch.Tensor | None = None) -> torch.Tensor:
+    def dequantize(self, layer: Any, rows: torch.Tensor | None = None,
+                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
         if not layer.interleaved:
-            return super().dequantize(layer, rows)
-        return self.kernels.dequant(layer.qweight, layer.scales, layer.kind, layer.group, layer.in_features, rows)
+            return super().dequantize(layer, rows, dtype)
+        return self.kernels.dequant(layer.qweight, layer.scales, layer.kind, layer.group, layer.in_features, rows,
+                                    dtype)
 
     def quant_linear(self, layer: Any, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
