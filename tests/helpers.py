@@ -10,9 +10,11 @@ from anna.runtime.engine import LLMEngine
 
 
 def run_logits(engine: LLMEngine, prompt: list[int], decode_steps: int, chunks: list[int] | None = None,
-               request_id: str = "probe") -> tuple[torch.Tensor, list[int]]:
-    """Prefill ``prompt`` (in the given chunk sizes), then decode greedily. Returns the logits of
-    every position [len(prompt) + decode_steps, vocab] and the greedy tokens."""
+               request_id: str = "probe", forced: list[int] | None = None) -> tuple[torch.Tensor, list[int]]:
+    """Prefill ``prompt`` (in the given chunk sizes), then decode greedily, or feeding the tokens
+    ``forced`` (teacher forcing: the positions of two runs stay comparable where their greedy
+    tokens part). Returns the logits of every position [len(prompt) + decode_steps, vocab] and
+    the greedy tokens."""
     req = Request(request_id, list(prompt), SamplingParams(max_tokens=decode_steps + 1, temperature=0.0))
     runner, caches = engine.runner, engine.runner.caches  # every cache kind: KV blocks and state slots
     chunks = list(chunks or [len(prompt)])
@@ -21,7 +23,7 @@ def run_logits(engine: LLMEngine, prompt: list[int], decode_steps: int, chunks: 
     try:
         for n in chunks + [1] * decode_steps:
             if n == 1 and req.num_computed_tokens == req.num_tokens:
-                req.append_output_token(tokens[-1])
+                req.append_output_token(forced[req.num_output_tokens] if forced else tokens[-1])
             assert caches.allocate_slots(req, n)
             inputs = runner.prepare([req], [n])
             hidden = runner.forward(inputs)

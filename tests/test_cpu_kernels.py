@@ -5,6 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from anna.model.kv_format import KVFormat
 from anna.model.linear import Linear, gather_interleaved_rows, interleave_rows
 from anna.model.ops import LinearRouting
 from anna.platforms.cpu.kernels import LEVEL_CFLAGS
@@ -148,7 +149,8 @@ def test_paged_decode_attention_matches_torch(kernels, window):
         used += n
     q = torch.randn(len(contexts), heads, dim)
     scale = dim ** -0.5
-    got = kernels.decode_attention(q, k_cache, v_cache, tables, torch.tensor(contexts), window or None, scale)
+    got = kernels.decode_attention(q, k_cache, v_cache, KVFormat("float32", dim), tables, torch.tensor(contexts),
+                                   window or None, scale)
     for i, c in enumerate(contexts):
         slots = [(int(tables[i, p // block_size]), p % block_size) for p in range(c)]
         if window:

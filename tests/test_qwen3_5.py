@@ -107,7 +107,7 @@ def test_exact_prompt_cache_default_and_no_prefix_hits_without_snapshots(hf_mode
     _, path = hf_models["qwen3_5"]
     with caplog.at_level(logging.INFO, logger="anna.runtime.builder"):
         make_llm(path, cache_dir)
-    assert any("Exact prompt cache: size=0" in r.message and "paged prefix sharing serves" in r.message
+    assert any("Exact prompt cache: size=0" in r.message and "paged prefix blocks serve" in r.message
                for r in caplog.records)
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="anna.runtime.builder"):

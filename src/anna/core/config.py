@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from anna.core.speculative import parse_speculative_config
+from anna.model.kv_format import KV_CACHE_DTYPE_ALIASES, KV_CACHE_DTYPES
 
 ENV_PREFIX = "ANNA_"
 
@@ -137,6 +138,11 @@ class ServeSettings:
     block_size: int | None = _setting(16, "Tokens per KV cache block.", minimum=1)
     kv_cache_memory: float | None = _setting(
         0.0, "KV cache budget in GiB; 0 = automatic (a fraction of free device memory, on CPU of available RAM).")
+    kv_cache_dtype: str | None = _setting(
+        "auto", "How the paged KV cache stores K and V rows: auto = the activation dtype (fp32 on CPU, the model's "
+                "dtype on GPU); bfloat16/float16; fp8_e4m3 (fp8) or int8 with a scale per row; turboquant4/turboquant3 "
+                "(a fixed random rotation, then 4 or 3 bits per value on a Lloyd-Max codebook, with a norm per row).",
+        choices=(*KV_CACHE_DTYPES, *KV_CACHE_DTYPE_ALIASES))
     num_gpu_blocks_override: int | None = _setting(0, "Exact number of KV blocks (overrides the memory budget); 0 = off.")
     enable_prefix_caching: bool | None = _setting(True, "Share full KV blocks between requests with the same prefix.")
     min_free_memory_mib: float | None = _setting(
@@ -282,7 +288,7 @@ SECTION_FIELDS: dict[str, tuple[str, ...]] = {
               "cache_dir", "max_model_len", "weight_load_pipeline_workers", "quantization", "int4_group_size",
               "int4_cache_dir", "int4_cache_load_workers", "disable_int4_cache", "structured_output_cache_size",
               "structured_output_max_bytes"),
-    "cache": ("block_size", "kv_cache_memory", "num_gpu_blocks_override", "enable_prefix_caching",
+    "cache": ("block_size", "kv_cache_memory", "kv_cache_dtype", "num_gpu_blocks_override", "enable_prefix_caching",
               "memory_utilization", "min_free_memory_mib", "memory_release_sweep_interval_s",
               "memory_release_min_free_mib", "memory_release_max_gap_mib", "kv_release_chunk_blocks",
               "state_snapshots", "prompt_cache_size", "prompt_cache_max_tokens"),

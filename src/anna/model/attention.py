@@ -1,6 +1,7 @@
 """Attention over a paged KV cache.
 
-The cache of one layer is two tensors ``[num_blocks, num_kv_heads, block_size, head_dim]``: within
+The cache of one layer is two tensors ``[num_blocks, num_kv_heads, block_size, row]`` (``PagedKV``,
+rows stored as its format says: model/kv_format.py): within
 a block, each KV head's rows are contiguous, so decode attention (one job per sequence and KV
 head) streams them instead of reading every other row (1.5x faster at 1,024 tokens, memory-bound).
 A sequence's tokens live in the blocks its block table lists, in order; a token's "slot" is
@@ -16,7 +17,21 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from anna.model.kv_format import KVFormat
 from anna.model.ops import ModelOps
+
+
+class PagedKV(tuple):
+    """One paged attention layer's cache: the (K, V) tensors, and the format their rows are
+    stored in. Unpacks as the pair; copies of rows (prefix blocks, the exact prompt cache) move
+    stored rows as they are."""
+
+    format: KVFormat
+
+    def __new__(cls, k: torch.Tensor, v: torch.Tensor, fmt: KVFormat) -> "PagedKV":
+        self = super().__new__(cls, (k, v))
+        self.format = fmt
+        return self
 
 
 @dataclass
@@ -95,62 +110,62 @@ def build_metadata(slot_mapping: torch.Tensor, starts: list[int], lens: list[int
                              block_size=block_size)
 
 
-def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
-    return (num_blocks, num_kv_heads, block_size, head_dim)
+def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, row_width: int) -> tuple[int, ...]:
+    return (num_blocks, num_kv_heads, block_size, row_width)
 
 
 def write_slots(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
-    """cache at ``slots`` = rows [len(slots), num_kv_heads, head_dim]."""
+    """cache at ``slots`` = stored rows [len(slots), num_kv_heads, row]."""
     block_size = cache.shape[2]
     cache[slots // block_size, :, slots % block_size] = rows.to(cache.dtype)
 
 
 def read_slots(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """The rows at ``slots``: [len(slots), num_kv_heads, head_dim] (a copy)."""
+    """The stored rows at ``slots``: [len(slots), num_kv_heads, row] (a copy)."""
     block_size = cache.shape[2]
     return cache[slots // block_size, :, slots % block_size]
 
 
 def gather_blocks(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
     """The rows of the blocks ``tables`` lists, in order: [*tables.shape[:-1], blocks * block_size,
-    num_kv_heads, head_dim] (a copy)."""
-    rows = cache[tables].transpose(-3, -2)  # [..., blocks, block_size, kv_heads, head_dim]
+    num_kv_heads, row] (a copy)."""
+    rows = cache[tables].transpose(-3, -2)  # [..., blocks, block_size, kv_heads, row]
     return rows.reshape(*tables.shape[:-1], -1, *rows.shape[-2:])
 
 
-def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    write_slots(k_cache, slot_mapping, k)
-    write_slots(v_cache, slot_mapping, v)
+def write_kv(cache: PagedKV, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """The new tokens' k, v [T, KV, D] into their slots, in the cache's format."""
+    fmt = cache.format
+    write_slots(cache[0], slot_mapping, fmt.encode(k))
+    write_slots(cache[1], slot_mapping, fmt.encode(v))
 
 
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, sliding_window: int | None,
-                    ops: ModelOps) -> torch.Tensor:
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: PagedKV, meta: AttentionMetadata,
+                    scale: float, sliding_window: int | None, ops: ModelOps) -> torch.Tensor:
     """q: [T, H, D]; k, v: [T, KV, D] for the new tokens. Writes k/v to the cache, returns [T, H, D].
     (The sliding window is already in the masks; ``sliding_window`` is for Anna's CPU kernel.)"""
-    write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+    ops.write_kv(cache, k, v, meta.slot_mapping)
     compute_dtype = ops.attention_dtype or q.dtype
     out = torch.empty_like(q)
     nd = meta.num_decode_tokens
     if nd:
-        out[:nd] = ops.decode_attention(q[:nd], k_cache, v_cache, meta, scale, sliding_window)
+        out[:nd] = ops.decode_attention(q[:nd], cache, meta, scale, sliding_window)
     for chunk in meta.prefills:
         sl = slice(chunk.query_start, chunk.query_start + chunk.query_len)
-        out[sl] = _prefill_attention(q[sl], k[sl], v[sl], k_cache, v_cache, chunk, meta.block_size, scale,
-                                     compute_dtype)
+        out[sl] = _prefill_attention(q[sl], k[sl], v[sl], cache, chunk, meta.block_size, scale, compute_dtype)
     return out
 
 
-def torch_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                           scale: float, dtype: torch.dtype) -> torch.Tensor:
-    """Decode attention in torch: one batched gather of every sequence's blocks, masked."""
+def torch_decode_attention(q: torch.Tensor, cache: PagedKV, meta: AttentionMetadata, scale: float,
+                           dtype: torch.dtype) -> torch.Tensor:
+    """Decode attention in torch: one batched gather of every sequence's blocks, decoded, masked."""
     nd, num_heads, head_dim = q.shape
+    k_cache, v_cache = cache
     num_kv = k_cache.shape[1]
     tables = meta.decode_block_tables
-    keys = gather_blocks(k_cache, tables).to(dtype)
+    keys = cache.format.decode(gather_blocks(k_cache, tables), dtype)
     # Padding slots may hold never-written memory (NaN/inf): zero them so that 0 * garbage stays 0.
-    values = gather_blocks(v_cache, tables).to(dtype)
+    values = cache.format.decode(gather_blocks(v_cache, tables), dtype)
     values = values.masked_fill(meta.decode_mask[:, :, None, None], 0.0)
     qg = q.view(nd, num_kv, num_heads // num_kv, head_dim).to(dtype)
     scores = torch.einsum("bkgd,blkd->bkgl", qg, keys) * scale
@@ -160,15 +175,17 @@ def torch_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     return out.reshape(nd, num_heads, head_dim).to(q.dtype)
 
 
-def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                       v_cache: torch.Tensor, chunk: PrefillChunk, block_size: int, scale: float,
-                       dtype: torch.dtype) -> torch.Tensor:
-    if chunk.mask is None:
+def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: PagedKV, chunk: PrefillChunk,
+                       block_size: int, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """A prefill chunk's attention over its context. Where the cache does not keep rows exactly
+    (a quantized or narrower format), the chunk's own rows are read back from it too, so that a
+    prompt attends to the same values however it was split into chunks or found cached."""
+    if chunk.mask is None and cache.format.stores_exactly(k.dtype):
         keys, values = k, v  # no cached prefix: plain causal attention over the chunk itself
     else:
         table = chunk.block_table[:-(-chunk.context_len // block_size)]
-        keys = gather_blocks(k_cache, table)[:chunk.context_len]
-        values = gather_blocks(v_cache, table)[:chunk.context_len]
+        keys = cache.format.decode(gather_blocks(cache[0], table)[:chunk.context_len], dtype)
+        values = cache.format.decode(gather_blocks(cache[1], table)[:chunk.context_len], dtype)
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1).unsqueeze(0).to(dtype), keys.transpose(0, 1).unsqueeze(0).to(dtype),
         values.transpose(0, 1).unsqueeze(0).to(dtype), attn_mask=chunk.mask, is_causal=chunk.mask is None,

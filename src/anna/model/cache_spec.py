@@ -9,26 +9,34 @@ all work from these specs, so a model mixing both kinds needs no change outside 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from math import prod
 
 import torch
 
+from anna.model.kv_format import KVFormat, kv_format
+
 
 @dataclass(frozen=True)
 class AttentionSpec:
-    """Paged K and V, each [blocks, num_kv_heads, block_size, head_dim] (model/attention.py)."""
+    """Paged K and V, each [blocks, num_kv_heads, block_size, row] (model/attention.py), their rows
+    stored as ``cache_dtype`` says (model/kv_format.py; auto: the activation dtype ``dtype``)."""
 
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype
     sliding_window: int | None = None
+    cache_dtype: str = "auto"
 
     kind = "attention"
 
     @property
+    def format(self) -> KVFormat:
+        return kv_format(self.cache_dtype, self.dtype, self.head_dim)
+
+    @property
     def bytes_per_token(self) -> int:
-        return 2 * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+        return 2 * self.num_kv_heads * self.format.row_bytes
 
 
 @dataclass(frozen=True)
@@ -56,6 +64,11 @@ class StateSpec:
 
 
 CacheSpec = AttentionSpec | StateSpec
+
+
+def with_kv_cache_dtype(specs: list[CacheSpec], cache_dtype: str) -> list[CacheSpec]:
+    """The specs with every paged attention layer's rows stored as ``cache_dtype`` (--kv-cache-dtype)."""
+    return [replace(s, cache_dtype=cache_dtype) if isinstance(s, AttentionSpec) else s for s in specs]
 
 
 def attention_layers(specs: list[CacheSpec]) -> list[int]:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from anna.model.attention import AttentionMetadata, paged_attention
+from anna.model.attention import AttentionMetadata, PagedKV, paged_attention
 from anna.model.cache_spec import AttentionSpec, CacheSpec
 from anna.model.causal_lm import CausalLM
 from anna.model.config import ModelConfig
@@ -24,7 +24,6 @@ from anna.model.linear import make_linear
 from anna.model.moe import decoder_mlp
 from anna.model.ops import TORCH_OPS, ModelOps
 
-KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
 class Attention(nn.Module):
@@ -42,7 +41,7 @@ class Attention(nn.Module):
         self.split = [q_size, kv_size, kv_size]
         self.ops = ops
 
-    def forward(self, rope: RopeBatch, x: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, rope: RopeBatch, x: torch.Tensor, kv_cache: PagedKV, meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split(self.split, dim=-1)
@@ -52,7 +51,7 @@ class Attention(nn.Module):
         q, k = self.ops.rotary(q, k, rope, self.num_heads, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         with self.ops.region("attention"):
-            out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.sliding_window,
+            out = paged_attention(q, k, v, kv_cache, meta, self.scale, self.sliding_window,
                                   self.ops)
         return self.o_proj(out.view(t, -1))
 
@@ -65,7 +64,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
         self.mlp = decoder_mlp(cfg, index, dtype, ops)
 
-    def forward(self, rope: RopeBatch, hidden: torch.Tensor, residual: torch.Tensor | None, kv_cache: KVCache,
+    def forward(self, rope: RopeBatch, hidden: torch.Tensor, residual: torch.Tensor | None, kv_cache: PagedKV,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """``residual`` is the running sum of the stream; ``hidden`` the previous block's output."""
         if residual is None:

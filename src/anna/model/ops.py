@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from anna.model.quantization import dequantize_int4, dequantize_int8
 
 if TYPE_CHECKING:
-    from anna.model.attention import AttentionMetadata
+    from anna.model.attention import AttentionMetadata, PagedKV
     from anna.model.layers import RopeBatch
     from anna.runtime.profiler import RuntimeProfiler
 
@@ -124,11 +124,17 @@ class ModelOps:
         return F.silu(gate) * up
 
     # ---- attention and sampling ----
-    def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                         meta: "AttentionMetadata", scale: float, sliding_window: int | None) -> torch.Tensor:
+    def write_kv(self, cache: "PagedKV", k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+        """The new tokens' k, v [T, KV, D] into the cache at ``slots``, in its format."""
+        from anna.model.attention import write_kv
+
+        write_kv(cache, k, v, slots)
+
+    def decode_attention(self, q: torch.Tensor, cache: "PagedKV", meta: "AttentionMetadata", scale: float,
+                         sliding_window: int | None) -> torch.Tensor:
         from anna.model.attention import torch_decode_attention
 
-        return torch_decode_attention(q, k_cache, v_cache, meta, scale, self.attention_dtype or q.dtype)
+        return torch_decode_attention(q, cache, meta, scale, self.attention_dtype or q.dtype)
 
     # ---- linear attention (model/gated_delta.py) ----
     def conv_step(self, x: torch.Tensor, conv_state: torch.Tensor, slots: torch.Tensor, weight: torch.Tensor,

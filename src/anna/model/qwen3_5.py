@@ -21,7 +21,7 @@ from functools import partial
 import torch
 from torch import nn
 
-from anna.model.attention import AttentionMetadata, paged_attention
+from anna.model.attention import AttentionMetadata, PagedKV, paged_attention
 from anna.model.cache_spec import AttentionSpec, CacheSpec
 from anna.model.causal_lm import STACKED_PARAMS, CausalLM, Loader
 from anna.model.config import LinearAttentionConfig, ModelConfig
@@ -32,7 +32,6 @@ from anna.model.moe import decoder_mlp
 from anna.model.mtp import MultiTokenPredictor
 from anna.model.ops import TORCH_OPS, ModelOps, apply_rotary
 
-KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
 class GatedAttention(nn.Module):
@@ -52,7 +51,7 @@ class GatedAttention(nn.Module):
         self.scale = self.head_dim ** -0.5
         self.ops = ops
 
-    def forward(self, rope: RopeBatch, x: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, rope: RopeBatch, x: torch.Tensor, kv_cache: PagedKV, meta: AttentionMetadata) -> torch.Tensor:
         t, d = x.shape[0], self.head_dim
         q_gate, k, v = self.qkv_proj(x).split(self.split, dim=-1)
         q_gate = q_gate.view(t, self.num_heads, 2 * d)
@@ -61,7 +60,7 @@ class GatedAttention(nn.Module):
         q, k = self._rotate(q, k, rope)
         v = v.view(t, self.num_kv_heads, d)
         with self.ops.region("attention"):
-            out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, None, self.ops)
+            out = paged_attention(q, k, v, kv_cache, meta, self.scale, None, self.ops)
         out = out * torch.sigmoid(q_gate[..., d:])
         return self.o_proj(out.reshape(t, -1))
 

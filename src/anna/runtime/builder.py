@@ -16,7 +16,7 @@ import torch
 from anna.core.config import ResolvedSettings
 from anna.core.speculative import SpeculativeConfig, load_speculative_config
 from anna.core.sampling_params import SamplingParams
-from anna.model.cache_spec import state_layers
+from anna.model.cache_spec import state_layers, with_kv_cache_dtype
 from anna.model.config import ModelConfig, load_generation_defaults, load_model_config
 from anna.model.ops import ModelOps, QuantFormat
 from anna.platforms import Platform, resolve_platform
@@ -112,7 +112,7 @@ def build_engine_parts(s: ResolvedSettings, show_progress: bool = True, recalibr
     s = _apply_calibration(s, ops, calibration)
     sch = s.sections.scheduler
     log.info("Resolved settings:\n%s", s.table())
-    specs = model.cache_specs(act_dtype)
+    specs = with_kv_cache_dtype(model.cache_specs(act_dtype), c.kv_cache_dtype)
 
     def decode_executor_for(m: torch.nn.Module):
         return platform.decode_executor(ex.decode_executor, m, ops, profiling=profiler is not None,
@@ -131,6 +131,8 @@ def build_engine_parts(s: ResolvedSettings, show_progress: bool = True, recalibr
                 pipeline_workers=m.weight_load_pipeline_workers, activation_dtype=act_dtype,
                 show_progress=show_progress, huge_pages=cpu.cpu_huge_pages))
     proposer_specs = list(getattr(speculative.proposer, "cache_specs", [])) if speculative else []
+    if proposer_specs:  # a draft model's or MTP layer's KV: stored as the target's
+        proposer_specs = speculative.proposer.cache_specs = with_kv_cache_dtype(proposer_specs, c.kv_cache_dtype)
     executor_name = "graph" if executor is not None else "eager"
     log.info("Decode executor: %s", executor_name)
     profile_tokens = min(sch.max_num_batched_tokens, max_model_len)  # the largest prefill one step runs
@@ -149,7 +151,7 @@ def build_engine_parts(s: ResolvedSettings, show_progress: bool = True, recalibr
     kv = KVCacheManager(plan.num_blocks, c.block_size, c.enable_prefix_caching)
     caches = CacheManagers(kv, StateCacheManager(plan.num_state_slots, plan.num_state_snapshots,
                                                  plan.num_state_checkpoints) if state_layers(specs) else None)
-    prompt_cache = _prompt_cache(c, caches)
+    prompt_cache = _prompt_cache(c, caches, plan.kv_formats)
     stats = EngineStats()
     scheduler = Scheduler(SchedulerConfig(
         max_num_seqs=sch.max_num_seqs, max_num_batched_tokens=sch.max_num_batched_tokens,
@@ -249,12 +251,15 @@ def _state_checkpoints(spec: SpeculativeConfig | None, max_num_seqs: int) -> int
     return seqs * spec.num_speculative_tokens
 
 
-def _prompt_cache(c: Any, caches: CacheManagers) -> PromptCache:
+def _prompt_cache(c: Any, caches: CacheManagers, kv_formats: str) -> PromptCache:
     """Resolve the exact prompt cache's auto values from the cache kinds: it is on by default
-    where paged prefix sharing cannot serve repeated prompts, off where it can (with recurrent
-    layers, it can when their states are snapshotted: state_snapshots)."""
+    (4 entries of at most 2,048 tokens) where cached rows cannot be shared through paged prefix
+    blocks, off where they can (with recurrent layers, they can when their states are
+    snapshotted: state_snapshots). Every KV cache dtype is shared through paged blocks: a block
+    keeps its rows as stored, scales and norms included, under the same hash."""
     size = c.prompt_cache_size if c.prompt_cache_size >= 0 else (0 if caches.shares_prefixes else 4)
-    why = "" if size or c.prompt_cache_size >= 0 else " (off: paged prefix sharing serves repeated prompts)"
+    why = "" if size or c.prompt_cache_size >= 0 else \
+        f" (off: paged prefix blocks serve repeated prompts; KV stored as {kv_formats} is shared through them)"
     if size and caches.state is not None:  # its entries hold paged KV only
         size, why = 0, " (off: its entries hold no per-sequence state of recurrent layers)"
     on_by_default = c.prompt_cache_size < 0 and size > 0

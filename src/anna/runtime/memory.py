@@ -8,7 +8,7 @@ from typing import Callable
 
 import torch
 
-from anna.model.cache_spec import CacheSpec, kv_bytes_per_token, state_bytes_per_sequence
+from anna.model.cache_spec import AttentionSpec, CacheSpec, kv_bytes_per_token, state_bytes_per_sequence
 from anna.model.config import ModelConfig
 from anna.platforms import Platform
 
@@ -36,6 +36,7 @@ class CachePlan:
     steps: list[str]  # how the budget was reached, one line each, for the start-up log
     num_state_snapshots: int = 0  # states kept at block boundaries of cached prefixes (state_cache.py)
     num_state_checkpoints: int = 0  # speculative decoding: states kept after each verified token, to roll back to
+    kv_formats: str = ""  # how the paged KV rows are stored (--kv-cache-dtype resolved), for the log
 
     @property
     def num_tokens(self) -> int:
@@ -50,7 +51,8 @@ class CachePlan:
     def describe(self, max_model_len: int) -> str:
         lines = list(self.steps)
         if self.bytes_per_token:
-            lines.append(f"paged attention KV: {self.bytes_per_token} bytes per token; {self.num_blocks} blocks x "
+            lines.append(f"paged attention KV: {self.kv_formats} rows, {self.bytes_per_token} bytes per token; "
+                         f"{self.num_blocks} blocks x "
                          f"{self.block_size} tokens = {self.num_tokens} tokens, "
                          f"{self.num_tokens * self.bytes_per_token / MIB:.1f} MiB ({self.budget_source})")
         if self.bytes_per_sequence:
@@ -126,7 +128,8 @@ def plan_caches(specs: list[CacheSpec], platform: Platform, *, block_size: int, 
             steps.append(f"prefix snapshots (auto): capped at {SNAPSHOT_BUDGET_SHARE:.0%} of the budget")
         state_step()
         blocks = max(0, (budget - state_bytes) // per_block) if per_block else 0
-    plan = CachePlan(int(blocks), block_size, per_token, slots, per_seq, source, steps, snapshots, checkpoints)
+    formats = ", ".join(sorted({s.format.name for s in specs if isinstance(s, AttentionSpec)}))
+    plan = CachePlan(int(blocks), block_size, per_token, slots, per_seq, source, steps, snapshots, checkpoints, formats)
     if per_token and plan.num_tokens < max_model_len:
         raise ValueError(
             f"max_model_len: one sequence of {max_model_len} tokens needs {max_model_len * per_token / MIB:.1f} MiB "

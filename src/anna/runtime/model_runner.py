@@ -17,7 +17,7 @@ import torch
 
 from anna.core.errors import RequestError
 from anna.core.request import Request
-from anna.model.attention import (AttentionMetadata, build_metadata, kv_cache_shape, read_slots, token_slots,
+from anna.model.attention import (AttentionMetadata, PagedKV, build_metadata, kv_cache_shape, read_slots, token_slots,
                                   write_slots)
 from anna.model.cache_spec import AttentionSpec, CacheSpec, StateSpec
 from anna.platforms import Platform
@@ -71,7 +71,7 @@ class ModelInputs:
 
 def allocate_caches(specs: list[CacheSpec], platform: Platform, *, num_blocks: int, block_size: int,
                     num_slots: int, zero: bool = False, huge_pages: bool = False) -> list:
-    """One entry per layer, as its spec says: (K, V) paged tensors for attention, {name: [slots,
+    """One entry per layer, as its spec says: (K, V) paged tensors for attention (PagedKV), {name: [slots,
     *shape]} for a per-sequence state. ``zero``: filled with zeros (else untouched memory)."""
     def new(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         t = platform.new_cache_tensor(shape, dtype, huge_pages)
@@ -80,8 +80,9 @@ def allocate_caches(specs: list[CacheSpec], platform: Platform, *, num_blocks: i
     caches: list = []
     for spec in specs:
         if isinstance(spec, AttentionSpec):
-            shape = kv_cache_shape(num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
-            caches.append((new(shape, spec.dtype), new(shape, spec.dtype)))
+            fmt = spec.format
+            shape = kv_cache_shape(num_blocks, block_size, spec.num_kv_heads, fmt.row_width)
+            caches.append(PagedKV(new(shape, fmt.storage_dtype), new(shape, fmt.storage_dtype), fmt))
         elif isinstance(spec, StateSpec):
             caches.append({t.name: new((num_slots, *t.shape), t.dtype) for t in spec.tensors})
         else:

@@ -7,14 +7,15 @@ weight-streaming kernel takes, int4 routed to dequant).
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
-from anna.model.attention import AttentionMetadata
+from anna.model.attention import AttentionMetadata, PagedKV
 from anna.model.linear import Linear, QuantLinear
 from anna.model.ops import ModelOps
-from anna.platforms.cpu.kernels import WEIGHT_TYPES, AnnaHybridLayer, AnnaLayer, AnnaLinear
-
-KVCache = tuple[torch.Tensor, torch.Tensor]
+from anna.platforms.cpu.kernels import (WEIGHT_TYPES, AnnaHybridLayer, AnnaLayer, AnnaLinear, kernels_read,
+                                        kv_format_descriptor)
 
 
 class FusedDecodeExecutor:
@@ -33,7 +34,7 @@ class FusedDecodeExecutor:
 
         return isinstance(model, LlamaForCausalLM) and model.config.moe is None
 
-    def attach(self, kv_caches: list[KVCache], pad_block: int) -> None:
+    def attach(self, kv_caches: list[PagedKV], pad_block: int) -> None:
         pass  # descriptors are built on first use, from the caches each step hands in
 
     def _linears(self, layer: torch.nn.Module) -> tuple:
@@ -45,14 +46,14 @@ class FusedDecodeExecutor:
         layers = self.model.layers
         if self._fusable is None:  # (weights and caches keep their layout and dtype: checked once)
             self._fusable = all(lin.interleaved for layer in layers for lin in self._linears(layer)) and all(
-                t.dtype == torch.float32 for cache in kv_caches
-                for t in (cache.values() if isinstance(cache, dict) else cache))
+                t.dtype == torch.float32 for cache in kv_caches if isinstance(cache, dict) for t in cache.values()
+            ) and all(kernels_read(cache.format) for cache in kv_caches if isinstance(cache, PagedKV))
         if not self._fusable:
             return False
         gate_up = layers[0].mlp.gate_up_proj
         return not (isinstance(gate_up, QuantLinear) and not gate_up.uses_packed_kernel(num_tokens))
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[PagedKV],
             meta: AttentionMetadata) -> torch.Tensor:
         model = self.model
         cfg = model.config
@@ -68,7 +69,7 @@ class FusedDecodeExecutor:
     def warm_up(self, batch_sizes: list[int]) -> int:
         return 0  # nothing to capture: the warmup table's decode steps run it
 
-    def _layer_descriptors(self, kv_caches: list[KVCache]):
+    def _layer_descriptors(self, kv_caches: list[PagedKV]):
         """ctypes descriptors of every layer's weights and caches, built once (they never move)."""
         key = tuple(k.data_ptr() for k, _ in kv_caches)
         if self._descriptors is not None and self._descriptors[0] == key:
@@ -76,7 +77,8 @@ class FusedDecodeExecutor:
         keep: list[torch.Tensor] = []  # fp32 copies of biases, kept alive with the descriptors
         layers = self.model.layers
         array = (AnnaLayer * len(layers))()
-        for desc, layer, (k_cache, v_cache) in zip(array, layers, kv_caches):
+        for desc, layer, kv_cache in zip(array, layers, kv_caches):
+            k_cache, v_cache = kv_cache
             attn, mlp = layer.self_attn, layer.mlp
             desc.input_norm = layer.input_layernorm.weight.data_ptr()
             desc.post_norm = layer.post_attention_layernorm.weight.data_ptr()
@@ -87,6 +89,7 @@ class FusedDecodeExecutor:
                                ("down", mlp.down_proj)):
                 _describe_linear(getattr(desc, field), lin, keep)
             desc.k_cache, desc.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
+            desc.kv_format = ctypes.addressof(kv_format_descriptor(kv_cache.format))
         self._descriptors = (key, array, keep)
         return array
 
@@ -164,6 +167,7 @@ class HybridFusedDecodeExecutor(FusedDecodeExecutor):
                 _describe_linear(desc.o, attn.o_proj, keep)
                 desc.q_norm, desc.k_norm = attn.q_norm.weight.data_ptr(), attn.k_norm.weight.data_ptr()
                 desc.k_cache, desc.v_cache = cache[0].data_ptr(), cache[1].data_ptr()
+                desc.kv_format = ctypes.addressof(kv_format_descriptor(cache.format))
         self._descriptors = (key, array, keep)
         return array
 

@@ -12,18 +12,20 @@ import os
 import shutil
 import subprocess
 import tempfile
+from functools import lru_cache
 from pathlib import Path
 
 import torch
 
+from anna.model.kv_format import TURBOQUANT_BITS, KVFormat, rotation, turboquant_levels
 from anna.platforms.cpu.isa import CpuIsa, detect_isa
 
 log = logging.getLogger(__name__)
 
 KERNEL_DIR = Path(__file__).parent / "csrc"
 SOURCES = [KERNEL_DIR / name for name in ("cpu_kernels.c", "quant_kernels.c", "decode_layers.c",
-                                                     "gated_delta.c", "decode_hybrid.c")]
-HEADERS = [KERNEL_DIR / name for name in ("work_split.h", "decode_common.h", "bf16.h")]
+                                                     "gated_delta.c", "decode_hybrid.c", "kv_cache.c")]
+HEADERS = [KERNEL_DIR / name for name in ("work_split.h", "decode_common.h", "bf16.h", "kv_format.h")]
 CFLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC"]
 # The levels the kernels are built for (isa.py's names), each with the instruction sets it may use;
 # a CPU runs the highest one it has (or the one --cpu-isa forces).
@@ -53,14 +55,44 @@ class AnnaLayer(ctypes.Structure):
     _fields_ = [("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p), ("q_norm", ctypes.c_void_p),
                 ("k_norm", ctypes.c_void_p), ("norm_wtype", ctypes.c_int), ("qkv", AnnaLinear), ("o", AnnaLinear),
                 ("gate_up", AnnaLinear), ("down", AnnaLinear), ("k_cache", ctypes.c_void_p),
-                ("v_cache", ctypes.c_void_p)]
+                ("v_cache", ctypes.c_void_p), ("kv_format", ctypes.c_void_p)]
+
+
+class AnnaKVFormat(ctypes.Structure):
+    _fields_ = [("kind", ctypes.c_int), ("dim", ctypes.c_long), ("row_bytes", ctypes.c_long),
+                ("rotation", ctypes.c_void_p), ("levels", ctypes.c_void_p), ("bounds", ctypes.c_void_p)]
+
+
+KV_KINDS = {"float32": 0, "bfloat16": 1, "float16": 2, "fp8_e4m3": 3, "int8": 4, "turboquant4": 5, "turboquant3": 6}
+
+
+def kv_format_descriptor(fmt: KVFormat) -> AnnaKVFormat:
+    """The C description of a KV row format (csrc/kv_format.h), built once per format; it keeps
+    TurboQuant's rotation and levels alive."""
+    return _kv_descriptor(fmt.name, fmt.head_dim)
+
+
+@lru_cache(maxsize=None)
+def _kv_descriptor(name: str, head_dim: int) -> AnnaKVFormat:
+    fmt = KVFormat(name, head_dim)
+    desc = AnnaKVFormat(KV_KINDS[name], head_dim, fmt.row_bytes)
+    if name in TURBOQUANT_BITS:
+        levels, bounds = turboquant_levels(head_dim, TURBOQUANT_BITS[name])
+        desc.keep = (rotation(head_dim), levels, bounds)
+        desc.rotation, desc.levels, desc.bounds = (t.data_ptr() for t in desc.keep)
+    return desc
+
+
+def kernels_read(fmt: KVFormat) -> bool:
+    """Whether the C attention reads rows of this format (fp32 rows of any size; others in chunks of 8)."""
+    return fmt.name == "float32" or fmt.head_dim % 8 == 0
 
 
 class AnnaHybridLayer(ctypes.Structure):
     _fields_ = [("linear", ctypes.c_int), ("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p),
                 ("gate_up", AnnaLinear), ("down", AnnaLinear), ("qkv", AnnaLinear), ("o", AnnaLinear),
                 ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p), ("k_cache", ctypes.c_void_p),
-                ("v_cache", ctypes.c_void_p), ("in_proj", AnnaLinear), ("ba", AnnaLinear), ("out_proj", AnnaLinear),
+                ("v_cache", ctypes.c_void_p), ("kv_format", ctypes.c_void_p), ("in_proj", AnnaLinear), ("ba", AnnaLinear), ("out_proj", AnnaLinear),
                 ("conv_weight", ctypes.c_void_p), ("a_log", ctypes.c_void_p), ("dt_bias", ctypes.c_void_p),
                 ("gated_norm", ctypes.c_void_p), ("gated_norm_wtype", ctypes.c_int), ("conv_state", ctypes.c_void_p),
                 ("recurrent_state", ctypes.c_void_p)]
@@ -82,7 +114,8 @@ class CpuKernels:
         lib.anna_add_rmsnorm.argtypes = [p, p, p, i, p, l, l, f, i]
         lib.anna_rotary.argtypes = [p, l, l, l, l, p, p, p]
         lib.anna_silu_mul.argtypes = [p, p, l, l, i, i]
-        lib.anna_paged_decode_attention.argtypes = [p, p, p, p, l, p, l, l, l, l, l, l, f, p, i]
+        lib.anna_paged_decode_attention.argtypes = [p, p, p, p, p, l, p, l, l, l, l, l, l, f, p, i]
+        lib.anna_kv_write.argtypes = [p, p, l, l, l, p, p, l]
         lib.anna_qgemm.argtypes = [p, p, p, i, l, p, p, l, l, l, i]
         lib.anna_qgemm_experts.argtypes = [p, p, p, p, p, l, i, l, p, l, l, i]
         lib.anna_dequant.argtypes = [p, p, i, l, p, l, l, l, p, i, i]
@@ -95,7 +128,7 @@ class CpuKernels:
         lib.anna_gated_delta_decode.argtypes = [p, p, p, p, p, p, p, p, p, i, f, l, l, l, l, l, p, i]
         for fn in (lib.anna_conv_step, lib.anna_gated_delta_decode, lib.anna_decode_hybrid_layers, lib.anna_gemv, lib.anna_gemv_experts, lib.anna_deinterleave_rows, lib.anna_deinterleave_rows16, lib.anna_add_rmsnorm, lib.anna_rotary, lib.anna_silu_mul,
                    lib.anna_paged_decode_attention, lib.anna_qgemm, lib.anna_qgemm_experts, lib.anna_dequant,
-                   lib.anna_decode_layers, lib.anna_argmax_rows):
+                   lib.anna_decode_layers, lib.anna_argmax_rows, lib.anna_kv_write):
             fn.restype = None
         self.lib = lib
         self._scratch: dict[torch.dtype, torch.Tensor] = {}  # per dtype; see _matmul_operand
@@ -289,16 +322,25 @@ class CpuKernels:
             conved.shape[0], key_heads, heads, dk, dv, out.data_ptr(), torch.get_num_threads())
         return out
 
-    def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
-                         context_lens: torch.Tensor, window: int | None, scale: float) -> torch.Tensor:
+    def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, fmt: KVFormat,
+                         tables: torch.Tensor, context_lens: torch.Tensor, window: int | None,
+                         scale: float) -> torch.Tensor:
+        """Paged decode attention over caches whose rows are stored as ``fmt`` (kernels_read)."""
         seqs, heads, dim = q.shape
         blocks, kv_heads, block_size, _ = k_cache.shape
         out = torch.empty_like(q)
         self.lib.anna_paged_decode_attention(
-            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), tables.shape[1],
-            context_lens.data_ptr(), seqs, heads, kv_heads, dim, block_size, window or 0, scale, out.data_ptr(),
-            torch.get_num_threads())
+            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), ctypes.byref(kv_format_descriptor(fmt)),
+            tables.data_ptr(), tables.shape[1], context_lens.data_ptr(), seqs, heads, kv_heads, dim, block_size,
+            window or 0, scale, out.data_ptr(), torch.get_num_threads())
         return out
+
+    def kv_write(self, fmt: KVFormat, rows: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> None:
+        """cache at ``slots`` = rows [len(slots), kv_heads, head_dim] (fp32), stored as ``fmt``."""
+        rows = rows.float().contiguous()
+        tokens, kv_heads, dim = rows.shape
+        self.lib.anna_kv_write(ctypes.byref(kv_format_descriptor(fmt)), rows.data_ptr(), kv_heads * dim, tokens,
+                               kv_heads, cache.data_ptr(), slots.contiguous().data_ptr(), cache.shape[2])
 
 
 def kernel_build_level(isa: CpuIsa) -> str | None:

@@ -15,11 +15,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from anna.model.attention import AttentionMetadata
+from anna.model.attention import AttentionMetadata, PagedKV
 from anna.model.layers import RopeBatch
 from anna.model.linear import QuantLinear
 from anna.model.ops import LinearRouting, ModelOps, QuantFormat
-from anna.platforms.cpu.kernels import WEIGHT_TYPES, CpuKernels
+from anna.platforms.cpu.kernels import WEIGHT_TYPES, CpuKernels, kernels_read
 
 
 class CpuTorchOps(ModelOps):
@@ -154,10 +154,21 @@ class CpuKernelOps(CpuTorchOps):
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return self.kernels.silu_mul(gate_up)
 
-    def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                         meta: AttentionMetadata, scale: float, sliding_window: int | None) -> torch.Tensor:
-        return self.kernels.decode_attention(q.contiguous(), k_cache, v_cache, meta.decode_block_tables.contiguous(),
-                                             meta.decode_context_lens, sliding_window, scale)
+    def write_kv(self, cache: PagedKV, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+        """Quantized and narrower rows are stored by the C kernels (the same bytes the fused decode
+        stack writes); fp32 rows are copied by torch."""
+        if cache.format.name == "float32" or not kernels_read(cache.format):
+            return super().write_kv(cache, k, v, slots)
+        self.kernels.kv_write(cache.format, k, cache[0], slots)
+        self.kernels.kv_write(cache.format, v, cache[1], slots)
+
+    def decode_attention(self, q: torch.Tensor, cache: PagedKV, meta: AttentionMetadata, scale: float,
+                         sliding_window: int | None) -> torch.Tensor:
+        if not kernels_read(cache.format):
+            return super().decode_attention(q, cache, meta, scale, sliding_window)
+        return self.kernels.decode_attention(q.contiguous(), cache[0], cache[1], cache.format,
+                                             meta.decode_block_tables.contiguous(), meta.decode_context_lens,
+                                             sliding_window, scale)
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         return self.kernels.argmax(logits)

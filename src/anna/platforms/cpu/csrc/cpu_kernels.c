@@ -12,6 +12,7 @@
 #include <stdlib.h>
 
 #include "bf16.h"
+#include "kv_format.h"
 #include "work_split.h"
 
 #define INLINE static inline __attribute__((always_inline))
@@ -405,46 +406,178 @@ INLINE __m256 dot8(const float *q, const float *const k[8], long dim) {
     return hsum8(a);
 }
 
-/* One sequence's view of a paged cache [blocks, kv_heads, block_size, dim], for KV head h. */
+/* One sequence's view of a paged cache [blocks, kv_heads, block_size, row], for KV head h. */
 typedef struct {
     const long *table;  /* the sequence's block ids */
-    long block_size, kv_heads, h, dim;
+    long block_size, kv_heads, h, row_bytes;
     int shift;          /* log2(block_size) when it is a power of two, else -1 */
 } PagedSeq;
 
 /* Position p's row: a shift and a mask when the block size is a power of two, else a division. */
-INLINE const float *paged_row(const float *cache, const PagedSeq *s, long p) {
+INLINE const uint8_t *paged_row(const uint8_t *cache, const PagedSeq *s, long p) {
     long blk = s->shift >= 0 ? p >> s->shift : p / s->block_size;
     long r = s->shift >= 0 ? p & (s->block_size - 1) : p % s->block_size;
-    return cache + ((s->table[blk] * s->kv_heads + s->h) * s->block_size + r) * s->dim;
+    return cache + ((s->table[blk] * s->kv_heads + s->h) * s->block_size + r) * s->row_bytes;
 }
 
-/* The rows of positions p .. p + 7 into rows[], asking for the next eight (up to n) meanwhile. */
-INLINE void paged_rows8(const float *cache, const PagedSeq *s, long p, long n, const float *rows[8]) {
+/* The rows of positions p .. p + 7 as fp32 into rows[], asking for the next eight (up to n)
+ * meanwhile: fp32 rows where they lie, others decoded into `scratch` [8, dim] (in L1). */
+INLINE void paged_rows8(int kind, const uint8_t *cache, const PagedSeq *s, long p, long n, long dim, __m256 lo,
+                        __m256 hi, float *scratch, const float *rows[8]) {
     for (int j = 0; j < 8; j++) {
-        rows[j] = paged_row(cache, s, p + j);
+        const uint8_t *row = paged_row(cache, s, p + j);
+        if (kind == KV_F32) {
+            rows[j] = (const float *)row;
+        } else {
+            kv_decode_row(kind, row, dim, lo, hi, scratch + j * dim);
+            rows[j] = scratch + j * dim;
+        }
         if (p + 8 + j < n) {
             const char *next = (const char *)paged_row(cache, s, p + 8 + j);
-            for (long b = 0; b < s->dim * 4; b += 64) _mm_prefetch(next + b, _MM_HINT_T0);
+            for (long b = 0; b < s->row_bytes; b += 64) _mm_prefetch(next + b, _MM_HINT_T0);
         }
     }
 }
 
-/* Decode attention over a paged fp32 KV cache: one query token per sequence.
- * q, out: [seqs, heads, dim]; caches: [blocks, kv_heads, block_size, dim];
- * tables: [seqs, table_width] block ids; ctx: tokens of each sequence (the new one included);
- * window > 0 limits attention to the last `window` tokens. One job per (sequence, kv head): each
- * cached key and value row is read once for all the query heads that share it (GQA). */
-void anna_paged_decode_attention(const float *q, const float *k_cache, const float *v_cache, const long *tables,
-                                 long table_width, const long *ctx, long seqs, long heads, long kv_heads, long dim,
-                                 long block_size, long window, float scale, float *out, int threads) {
+INLINE const float *paged_row1(int kind, const uint8_t *cache, const PagedSeq *s, long p, long dim, __m256 lo,
+                               __m256 hi, float *scratch) {
+    const uint8_t *row = paged_row(cache, s, p);
+    if (kind == KV_F32) return (const float *)row;
+    kv_decode_row(kind, row, dim, lo, hi, scratch);
+    return scratch;
+}
+
+/* y[g] = R x[g] for `group` rows of dim (R: [dim, dim]); inverse: y[g] = R^T x[g]. */
+INLINE void rotate_rows(const float *R, const float *x, float *y, long group, long dim, int inverse) {
+    for (long g = 0; g < group; g++) {
+        const float *xg = x + g * dim;
+        float *yg = y + g * dim;
+        if (!inverse) {
+            for (long i = 0; i < dim; i++) yg[i] = dot(R + i * dim, xg, dim);
+        } else {
+            for (long i = 0; i < dim; i++) yg[i] = 0.0f;
+            for (long i = 0; i < dim; i++) {
+                __m256 xi = _mm256_set1_ps(xg[i]);
+                for (long j = 0; j < dim; j += 8)
+                    _mm256_storeu_ps(yg + j, _mm256_fmadd_ps(xi, _mm256_loadu_ps(R + i * dim + j),
+                                                             _mm256_loadu_ps(yg + j)));
+            }
+        }
+    }
+}
+
+/* One (sequence, KV head) job of decode attention, for rows stored as `kind` (constant after
+ * inlining, so each kind gets its own loops). */
+INLINE void attend(int kind, const AnnaKVFormat *f, const float *qv, const uint8_t *k_cache,
+                   const uint8_t *v_cache, const PagedSeq *seq, long start, long n, long group, long dim,
+                   float scale, float *scores, float *mx, float *inv, float *scratch, float *qr, float *o) {
+    long len = n - start;
+    int rotated = kind == KV_TQ4 || kind == KV_TQ3;
+    __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
+    if (rotated) {  /* scores against rotated keys: rotate the queries instead of each key back */
+        lo = _mm256_loadu_ps(f->levels);
+        if (kind == KV_TQ4) hi = _mm256_loadu_ps(f->levels + 8);
+        rotate_rows(f->rotation, qv, qr, group, dim, 0);
+        qv = qr;
+    }
+    for (long g = 0; g < group; g++) mx[g] = -INFINITY;
+    long p = start;
+    /* eight positions at a time: one reduction for eight scores instead of one each */
+    for (; dim % 8 == 0 && p + 8 <= n; p += 8) {
+        const float *kr[8];
+        paged_rows8(kind, k_cache, seq, p, n, dim, lo, hi, scratch, kr);
+        for (long g = 0; g < group; g++) {
+            __m256 sc = _mm256_mul_ps(dot8(qv + g * dim, kr, dim), _mm256_set1_ps(scale));
+            _mm256_storeu_ps(scores + g * len + p - start, sc);
+            __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(sc), _mm256_extractf128_ps(sc, 1));
+            m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+            float m = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+            if (m > mx[g]) mx[g] = m;
+        }
+    }
+    for (; p < n; p++) {
+        const float *kv = paged_row1(kind, k_cache, seq, p, dim, lo, hi, scratch);
+        for (long g = 0; g < group; g++) {
+            float sc = dot(qv + g * dim, kv, dim) * scale;
+            scores[g * len + p - start] = sc;
+            if (sc > mx[g]) mx[g] = sc;
+        }
+    }
+    for (long g = 0; g < group; g++) {
+        float *sg = scores + g * len;
+        __m256 vmax = _mm256_set1_ps(mx[g]), vsum = _mm256_setzero_ps();
+        long i = 0;
+        for (; i + 8 <= len; i += 8) {
+            __m256 ev = exp8(_mm256_sub_ps(_mm256_loadu_ps(sg + i), vmax));
+            _mm256_storeu_ps(sg + i, ev);
+            vsum = _mm256_add_ps(vsum, ev);
+        }
+        float sum = hsum(vsum);
+        for (; i < len; i++) {
+            sg[i] = expf(sg[i] - mx[g]);
+            sum += sg[i];
+        }
+        inv[g] = 1.0f / sum;
+    }
+    float *acc = rotated ? qr : o;  /* TurboQuant: the sum of rotated values, rotated back at the end */
+    for (long i = 0; i < group * dim; i++) acc[i] = 0.0f;
+    p = start;
+    /* eight positions at a time: each output row is read and written once per eight value
+     * rows (once per value row, the loop was bound by its stores) */
+    for (; dim % 8 == 0 && p + 8 <= n; p += 8) {
+        const float *vr[8];
+        paged_rows8(kind, v_cache, seq, p, n, dim, lo, hi, scratch, vr);
+        for (long g = 0; g < group; g++) {
+            const float *sg = scores + g * len + p - start;
+            __m256 wv[8];
+            for (int j = 0; j < 8; j++) wv[j] = _mm256_set1_ps(sg[j] * inv[g]);
+            float *og = acc + g * dim;
+            for (long i = 0; i < dim; i += 8) {
+                /* two chains of four fmas instead of one of eight */
+                __m256 a = _mm256_fmadd_ps(wv[0], _mm256_loadu_ps(vr[0] + i), _mm256_loadu_ps(og + i));
+                __m256 b = _mm256_mul_ps(wv[1], _mm256_loadu_ps(vr[1] + i));
+                for (int j = 2; j < 8; j += 2) {
+                    a = _mm256_fmadd_ps(wv[j], _mm256_loadu_ps(vr[j] + i), a);
+                    b = _mm256_fmadd_ps(wv[j + 1], _mm256_loadu_ps(vr[j + 1] + i), b);
+                }
+                _mm256_storeu_ps(og + i, _mm256_add_ps(a, b));
+            }
+        }
+    }
+    for (; p < n; p++) {
+        const float *vv = paged_row1(kind, v_cache, seq, p, dim, lo, hi, scratch);
+        for (long g = 0; g < group; g++) {
+            float wgt = scores[g * len + p - start] * inv[g];
+            float *og = acc + g * dim;
+            long i = 0;
+            __m256 wv = _mm256_set1_ps(wgt);
+            for (; i + 8 <= dim; i += 8)
+                _mm256_storeu_ps(og + i, _mm256_fmadd_ps(wv, _mm256_loadu_ps(vv + i), _mm256_loadu_ps(og + i)));
+            for (; i < dim; i++) og[i] += wgt * vv[i];
+        }
+    }
+    if (rotated) rotate_rows(f->rotation, acc, o, group, dim, 1);
+}
+
+/* Decode attention over a paged KV cache: one query token per sequence.
+ * q, out: [seqs, heads, dim] fp32; caches: [blocks, kv_heads, block_size, row] with rows stored as
+ * `f` says (NULL: fp32); tables: [seqs, table_width] block ids; ctx: tokens of each sequence (the new
+ * one included); window > 0 limits attention to the last `window` tokens. One job per (sequence,
+ * kv head): each cached key and value row is read once for all the query heads that share it (GQA). */
+void anna_paged_decode_attention(const float *q, const void *k_cache, const void *v_cache, const AnnaKVFormat *f,
+                                 const long *tables, long table_width, const long *ctx, long seqs, long heads,
+                                 long kv_heads, long dim, long block_size, long window, float scale, float *out,
+                                 int threads) {
     long group = heads / kv_heads;
+    int kind = f ? f->kind : KV_F32;
+    long row_bytes = f ? f->row_bytes : dim * 4;
     int shift = (block_size & (block_size - 1)) == 0 ? __builtin_ctzl(block_size) : -1;
     #pragma omp parallel num_threads(threads)
     {
         long cap = 0;
         float *scores = 0;
         float *mx = (float *)malloc(sizeof(float) * group), *inv = (float *)malloc(sizeof(float) * group);
+        float *scratch = (float *)malloc(sizeof(float) * 8 * dim), *qr = (float *)malloc(sizeof(float) * group * dim);
         #pragma omp for schedule(dynamic, 1)
         for (long job = 0; job < seqs * kv_heads; job++) {
             long sq = job / kv_heads, kvh = job % kv_heads;
@@ -455,87 +588,26 @@ void anna_paged_decode_attention(const float *q, const float *k_cache, const flo
                 scores = (float *)malloc(sizeof(float) * cap);
             }
             const float *qv = q + (sq * heads + kvh * group) * dim;  /* the group's query heads, consecutive */
-            PagedSeq seq = {tables + sq * table_width, block_size, kv_heads, kvh, dim, shift};
-            for (long g = 0; g < group; g++) mx[g] = -INFINITY;
-            long p = start;
-            /* eight positions at a time: one reduction for eight scores instead of one each */
-            for (; dim % 8 == 0 && p + 8 <= n; p += 8) {
-                const float *kr[8];
-                paged_rows8(k_cache, &seq, p, n, kr);
-                for (long g = 0; g < group; g++) {
-                    __m256 sc = _mm256_mul_ps(dot8(qv + g * dim, kr, dim), _mm256_set1_ps(scale));
-                    _mm256_storeu_ps(scores + g * len + p - start, sc);
-                    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(sc), _mm256_extractf128_ps(sc, 1));
-                    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-                    float m = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
-                    if (m > mx[g]) mx[g] = m;
-                }
-            }
-            for (; p < n; p++) {
-                const float *kv = paged_row(k_cache, &seq, p);
-                for (long g = 0; g < group; g++) {
-                    float sc = dot(qv + g * dim, kv, dim) * scale;
-                    scores[g * len + p - start] = sc;
-                    if (sc > mx[g]) mx[g] = sc;
-                }
-            }
-            for (long g = 0; g < group; g++) {
-                float *sg = scores + g * len;
-                __m256 vmax = _mm256_set1_ps(mx[g]), vsum = _mm256_setzero_ps();
-                long i = 0;
-                for (; i + 8 <= len; i += 8) {
-                    __m256 ev = exp8(_mm256_sub_ps(_mm256_loadu_ps(sg + i), vmax));
-                    _mm256_storeu_ps(sg + i, ev);
-                    vsum = _mm256_add_ps(vsum, ev);
-                }
-                float sum = hsum(vsum);
-                for (; i < len; i++) {
-                    sg[i] = expf(sg[i] - mx[g]);
-                    sum += sg[i];
-                }
-                inv[g] = 1.0f / sum;
-            }
             float *o = out + (sq * heads + kvh * group) * dim;
-            for (long i = 0; i < group * dim; i++) o[i] = 0.0f;
-            p = start;
-            /* eight positions at a time: each output row is read and written once per eight value
-             * rows (once per value row, the loop was bound by its stores) */
-            for (; dim % 8 == 0 && p + 8 <= n; p += 8) {
-                const float *vr[8];
-                paged_rows8(v_cache, &seq, p, n, vr);
-                for (long g = 0; g < group; g++) {
-                    const float *sg = scores + g * len + p - start;
-                    __m256 wv[8];
-                    for (int j = 0; j < 8; j++) wv[j] = _mm256_set1_ps(sg[j] * inv[g]);
-                    float *og = o + g * dim;
-                    for (long i = 0; i < dim; i += 8) {
-                        /* two chains of four fmas instead of one of eight */
-                        __m256 a = _mm256_fmadd_ps(wv[0], _mm256_loadu_ps(vr[0] + i), _mm256_loadu_ps(og + i));
-                        __m256 b = _mm256_mul_ps(wv[1], _mm256_loadu_ps(vr[1] + i));
-                        for (int j = 2; j < 8; j += 2) {
-                            a = _mm256_fmadd_ps(wv[j], _mm256_loadu_ps(vr[j] + i), a);
-                            b = _mm256_fmadd_ps(wv[j + 1], _mm256_loadu_ps(vr[j + 1] + i), b);
-                        }
-                        _mm256_storeu_ps(og + i, _mm256_add_ps(a, b));
-                    }
-                }
+            PagedSeq seq = {tables + sq * table_width, block_size, kv_heads, kvh, row_bytes, shift};
+            const uint8_t *kc = (const uint8_t *)k_cache, *vc = (const uint8_t *)v_cache;
+#define ATTEND(K) attend(K, f, qv, kc, vc, &seq, start, n, group, dim, scale, scores, mx, inv, scratch, qr, o)
+            switch (kind) {
+            case KV_BF16: ATTEND(KV_BF16); break;
+            case KV_F16: ATTEND(KV_F16); break;
+            case KV_FP8: ATTEND(KV_FP8); break;
+            case KV_INT8: ATTEND(KV_INT8); break;
+            case KV_TQ4: ATTEND(KV_TQ4); break;
+            case KV_TQ3: ATTEND(KV_TQ3); break;
+            default: ATTEND(KV_F32);
             }
-            for (; p < n; p++) {
-                const float *vv = paged_row(v_cache, &seq, p);
-                for (long g = 0; g < group; g++) {
-                    float wgt = scores[g * len + p - start] * inv[g];
-                    float *og = o + g * dim;
-                    long i = 0;
-                    __m256 wv = _mm256_set1_ps(wgt);
-                    for (; i + 8 <= dim; i += 8)
-                        _mm256_storeu_ps(og + i, _mm256_fmadd_ps(wv, _mm256_loadu_ps(vv + i), _mm256_loadu_ps(og + i)));
-                    for (; i < dim; i++) og[i] += wgt * vv[i];
-                }
-            }
+#undef ATTEND
         }
         free(scores);
         free(mx);
         free(inv);
+        free(scratch);
+        free(qr);
     }
 }
 

@@ -5,6 +5,8 @@
 
 #include <stdint.h>
 
+#include "kv_format.h"
+
 void anna_gemv(const float *x, const void *w, int wtype, const float *bias, float *y, int M, long N, long K,
                int threads);
 void anna_qgemm(const float *x, const void *w, const void *ws, int kind, long G, const float *bias, float *y,
@@ -14,9 +16,10 @@ void anna_add_rmsnorm(float *x, const float *delta, const void *w, int wtype, fl
 void anna_silu_mul(const void *gate_up, void *out, long M, long I, int bf16, int threads);
 void anna_rotary(float *x, long row_stride, long tokens, long heads, long dim, const float *cos_table,
                  const float *sin_table, const long *positions);
-void anna_paged_decode_attention(const float *q, const float *k_cache, const float *v_cache, const long *tables,
-                                 long table_width, const long *ctx, long seqs, long heads, long kv_heads, long dim,
-                                 long block_size, long window, float scale, float *out, int threads);
+void anna_paged_decode_attention(const float *q, const void *k_cache, const void *v_cache, const AnnaKVFormat *f,
+                                 const long *tables, long table_width, const long *ctx, long seqs, long heads,
+                                 long kv_heads, long dim, long block_size, long window, float scale, float *out,
+                                 int threads);
 
 typedef struct {
     const void *weight;   /* float weights (wtype 0 bf16, 1 fp16, 2 fp32) or quantized values */

@@ -26,7 +26,8 @@ typedef struct {
     /* gated attention */
     AnnaLinear qkv, o;
     const float *q_norm, *k_norm;  /* fp32 */
-    float *k_cache, *v_cache;
+    void *k_cache, *v_cache;
+    const AnnaKVFormat *kv_format;
     /* Gated DeltaNet */
     AnnaLinear in_proj, ba, out_proj;
     const float *conv_weight, *a_log, *dt_bias;
@@ -97,19 +98,15 @@ void anna_decode_hybrid_layers(const AnnaHybridLayer *layers, long num_layers, c
             rotate_heads(mix, qkv_width, M, heads, 2 * head_dim, rope_dim, cos_table, sin_table, positions);
             rotate_heads(mix + 2 * q_size, qkv_width, M, kv_heads, head_dim, rope_dim, cos_table, sin_table,
                          positions);
-            for (long t = 0; t < M; t++) {
-                const float *row = mix + t * qkv_width;
-                long blk = slots[t] / block_size, off = slots[t] % block_size;
-                for (long hh = 0; hh < kv_heads; hh++) {
-                    long at = ((blk * kv_heads + hh) * block_size + off) * head_dim;
-                    memcpy(L->k_cache + at, row + 2 * q_size + hh * head_dim, sizeof(float) * head_dim);
-                    memcpy(L->v_cache + at, row + 2 * q_size + kv_size + hh * head_dim, sizeof(float) * head_dim);
-                }
+            anna_kv_write(L->kv_format, mix + 2 * q_size, qkv_width, M, kv_heads, L->k_cache, slots, block_size);
+            anna_kv_write(L->kv_format, mix + 2 * q_size + kv_size, qkv_width, M, kv_heads, L->v_cache, slots,
+                          block_size);
+            for (long t = 0; t < M; t++)
                 for (long hh = 0; hh < heads; hh++)
-                    memcpy(a + t * q_size + hh * head_dim, row + hh * 2 * head_dim, sizeof(float) * head_dim);
-            }
-            anna_paged_decode_attention(a, L->k_cache, L->v_cache, tables, table_width, ctx, M, heads, kv_heads,
-                                        head_dim, block_size, 0, scale, b, threads);
+                    memcpy(a + t * q_size + hh * head_dim, mix + t * qkv_width + hh * 2 * head_dim,
+                           sizeof(float) * head_dim);
+            anna_paged_decode_attention(a, L->k_cache, L->v_cache, L->kv_format, tables, table_width, ctx, M, heads,
+                                        kv_heads, head_dim, block_size, 0, scale, b, threads);
             for (long t = 0; t < M; t++)
                 for (long hh = 0; hh < heads; hh++) {
                     const float *gate = mix + t * qkv_width + hh * 2 * head_dim + head_dim;

@@ -15,7 +15,8 @@ typedef struct {
     const void *input_norm, *post_norm, *q_norm, *k_norm; /* q_norm/k_norm NULL when absent */
     int norm_wtype;
     AnnaLinear qkv, o, gate_up, down;
-    float *k_cache, *v_cache; /* [blocks, kv_heads, block_size, head_dim] fp32 */
+    void *k_cache, *v_cache; /* [blocks, kv_heads, block_size, row] */
+    const AnnaKVFormat *kv_format; /* how the cache rows are stored */
 } AnnaLayer;
 
 void anna_decode_layers(const AnnaLayer *layers, long num_layers, const float *embeddings, long M, long hidden,
@@ -50,18 +51,11 @@ void anna_decode_layers(const AnnaLayer *layers, long num_layers, const float *e
         }
         anna_rotary(qkv, qkv_width, M, heads, head_dim, cos_table, sin_table, positions);
         anna_rotary(qkv + q_size, qkv_width, M, kv_heads, head_dim, cos_table, sin_table, positions);
-        for (long t = 0; t < M; t++) {
-            long blk = slots[t] / block_size, off = slots[t] % block_size;
-            for (long hh = 0; hh < kv_heads; hh++) {
-                long row = ((blk * kv_heads + hh) * block_size + off) * head_dim;
-                const float *k = qkv + t * qkv_width + q_size + hh * head_dim;
-                memcpy(L->k_cache + row, k, sizeof(float) * head_dim);
-                memcpy(L->v_cache + row, k + kv_size, sizeof(float) * head_dim);
-            }
-            memcpy(q + t * q_size, qkv + t * qkv_width, sizeof(float) * q_size);
-        }
-        anna_paged_decode_attention(q, L->k_cache, L->v_cache, tables, table_width, ctx, M, heads, kv_heads, head_dim,
-                                    block_size, window, scale, attn, threads);
+        anna_kv_write(L->kv_format, qkv + q_size, qkv_width, M, kv_heads, L->k_cache, slots, block_size);
+        anna_kv_write(L->kv_format, qkv + q_size + kv_size, qkv_width, M, kv_heads, L->v_cache, slots, block_size);
+        for (long t = 0; t < M; t++) memcpy(q + t * q_size, qkv + t * qkv_width, sizeof(float) * q_size);
+        anna_paged_decode_attention(q, L->k_cache, L->v_cache, L->kv_format, tables, table_width, ctx, M, heads,
+                                    kv_heads, head_dim, block_size, window, scale, attn, threads);
         linear(&L->o, attn, h, M, threads);
         anna_add_rmsnorm(residual, h, L->post_norm, L->norm_wtype, normed, M, hidden, eps, threads);
         linear(&L->gate_up, normed, gate_up, M, threads);
