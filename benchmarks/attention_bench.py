@@ -2,13 +2,16 @@
 spends in attention, for a batch of sequences at a given context length.
 
     python benchmarks/attention_bench.py --contexts 128 1024
+    python benchmarks/attention_bench.py --contexts 512 8192 32768 --seqs 1 \
+        --kv-cache-dtypes float32 bfloat16 int8 fp8_e4m3 turboquant4 turboquant3
 
 Shapes default to Qwen2.5-0.5B's (14 query heads, 2 KV heads, head dim 64, 24 layers) with 16
 sequences; every layer has its own cache, a pool of --pool-blocks blocks from which the sequences'
 blocks are drawn at random (blocks of a long-running server are not in order), so the KV rows
 come from memory as in a real step. The caches are on huge pages, as the engine keeps them
 (--compare-huge-pages: also on small pages, alternated step by step). Prints the best of
---repeats steps per context.
+--repeats steps per context. --kv-cache-dtypes: caches stored in each of these formats
+(model/kv_format.py), timed alternately step by step in the same run.
 """
 
 from __future__ import annotations
@@ -20,23 +23,27 @@ import time
 
 import torch
 
-from anna.model.attention import kv_cache_shape
+from anna.model.attention import PagedKV, kv_cache_shape
+from anna.model.kv_format import KVFormat
 from anna.platforms.cpu.kernels import build_cpu_kernels
 from anna.platforms.cpu.host_memory import huge_page_zeros
 
 
-def make_caches(shape: tuple[int, ...], layers: int, huge_pages: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Random caches, one pair per layer, on huge pages (as the engine keeps them) or not."""
+def make_caches(shape: tuple[int, ...], layers: int, huge_pages: bool, fmt: KVFormat) -> list[PagedKV]:
+    """Random caches stored as ``fmt``, one per layer, on huge pages (as the engine keeps them) or not."""
+    stored_shape = (*shape[:-1], fmt.row_width)
+
     def one() -> torch.Tensor:
-        t = huge_page_zeros(shape, torch.float32) if huge_pages else torch.empty(shape)
-        return t.normal_()
-    return [(one(), one()) for _ in range(layers)]
+        t = huge_page_zeros(stored_shape, fmt.storage_dtype) if huge_pages else torch.empty(stored_shape,
+                                                                                            dtype=fmt.storage_dtype)
+        return t.copy_(fmt.encode(torch.randn(shape)))
+    return [PagedKV(one(), one(), fmt) for _ in range(layers)]
 
 
-def step_ms(kernels, caches, tables: torch.Tensor, q: torch.Tensor, lens: torch.Tensor) -> float:
+def step_ms(kernels, caches: list[PagedKV], tables: torch.Tensor, q: torch.Tensor, lens: torch.Tensor) -> float:
     t0 = time.perf_counter()
     for k_cache, v_cache in caches:
-        kernels.decode_attention(q, k_cache, v_cache, tables, lens, None, q.shape[-1] ** -0.5)
+        kernels.decode_attention(q, k_cache, v_cache, caches[0].format, tables, lens, None, q.shape[-1] ** -0.5)
     return (time.perf_counter() - t0) * 1e3
 
 
@@ -54,6 +61,8 @@ def main() -> None:
     ap.add_argument("--pool-blocks", type=int, default=4096,
                     help="blocks in each layer's cache (the sequences' blocks are a random subset), as the engine's "
                          "pool (4,096 for 16 x 4,096 tokens)")
+    ap.add_argument("--kv-cache-dtypes", nargs="+", default=["float32"],
+                    help="cache formats to time against each other (model/kv_format.py)")
     ap.add_argument("--compare-huge-pages", action="store_true",
                     help="also time caches on small pages, alternated with the huge-page ones")
     args = ap.parse_args()
@@ -68,19 +77,24 @@ def main() -> None:
         tables = torch.randperm(pool)[:blocks].view(args.seqs, -1)
         q = torch.randn(args.seqs, args.heads, args.head_dim)
         lens = torch.full((args.seqs,), context, dtype=torch.long)
-        kinds = {"huge_pages": make_caches(shape, args.layers, True)}
-        if args.compare_huge_pages:
-            kinds["small_pages"] = make_caches(shape, args.layers, False)
+        kinds = {}
+        for name in args.kv_cache_dtypes:
+            fmt = KVFormat(name, args.head_dim)
+            kinds[name] = make_caches(shape, args.layers, True, fmt)
+            if args.compare_huge_pages:
+                kinds[f"{name}_small_pages"] = make_caches(shape, args.layers, False, fmt)
         times: dict[str, list[float]] = {kind: [] for kind in kinds}
         for _ in range(args.repeats):
             for kind, caches in kinds.items():
                 times[kind].append(step_ms(kernels, caches, tables, q, lens))
-        kv_mb = args.layers * args.seqs * context * 2 * args.kv_heads * args.head_dim * 4 / 1e6
-        row = {"context": context, "seqs": args.seqs, "kv_mb_read": round(kv_mb)}
-        row.update({f"ms_per_step_{kind}": round(min(t), 2) for kind, t in times.items()})
+        row = {"context": context, "seqs": args.seqs}
+        for kind, caches in kinds.items():
+            kv_mb = args.layers * args.seqs * context * 2 * args.kv_heads * caches[0].format.row_bytes / 1e6
+            row[kind] = {"kv_mb_read": round(kv_mb, 1), "ms_per_step": round(min(times[kind]), 2)}
         if args.compare_huge_pages:
-            ratios = [s / h for s, h in zip(times["small_pages"], times["huge_pages"])]
-            row["speedup_median"] = round(statistics.median(ratios), 3)
+            for name in args.kv_cache_dtypes:
+                ratios = [s / h for s, h in zip(times[f"{name}_small_pages"], times[name])]
+                row[name]["huge_pages_speedup_median"] = round(statistics.median(ratios), 3)
         rows.append(row)
         del kinds
     print(json.dumps(rows, indent=1))

@@ -395,6 +395,12 @@ INLINE __m256 hsum8(const __m256 a[8]) {
     return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
+INLINE float hmax8(__m256 v) {
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    return _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+}
+
 /* q . k[j] for eight key rows at once (dim a multiple of 8). */
 INLINE __m256 dot8(const float *q, const float *const k[8], long dim) {
     __m256 a[8];
@@ -429,6 +435,11 @@ INLINE void paged_rows8(int kind, const uint8_t *cache, const PagedSeq *s, long 
         if (kind == KV_F32) {
             rows[j] = (const float *)row;
         } else {
+#ifdef __AVX512F__
+            if (dim % 16 == 0)
+                kv_decode_row16(kind, row, dim, _mm512_insertf32x8(_mm512_castps256_ps512(lo), hi, 1), scratch + j * dim);
+            else
+#endif
             kv_decode_row(kind, row, dim, lo, hi, scratch + j * dim);
             rows[j] = scratch + j * dim;
         }
@@ -466,6 +477,63 @@ INLINE void rotate_rows(const float *R, const float *x, float *y, long group, lo
     }
 }
 
+#ifdef __AVX512F__
+#define HEADS_PER_PASS 2  /* query heads sharing each pass over eight key or value rows (3 measured no faster) */
+
+/* Eight positions' scores for query heads g .. g + nh - 1 (nh <= HEADS_PER_PASS, a constant at each
+ * call: each key row is loaded once for all of them); rows[j] fp32, dim a multiple of 16. The
+ * scores of head g + h go to scores + h * len, its running maximum to mx[h]. */
+INLINE void scores8_512(const float *qv, const float *const rows[8], int nh, long dim, float scale, float *out,
+                        long len, float *mx) {
+    __m512 a[HEADS_PER_PASS][8];
+    for (int h = 0; h < nh; h++)
+        for (int j = 0; j < 8; j++) a[h][j] = _mm512_setzero_ps();
+    for (long d = 0; d < dim; d += 16) {
+        __m512 q[HEADS_PER_PASS];
+        for (int h = 0; h < nh; h++) q[h] = _mm512_loadu_ps(qv + h * dim + d);
+        for (int j = 0; j < 8; j++) {
+            __m512 k = _mm512_loadu_ps(rows[j] + d);
+            for (int h = 0; h < nh; h++) a[h][j] = _mm512_fmadd_ps(q[h], k, a[h][j]);
+        }
+    }
+    for (int h = 0; h < nh; h++) {
+        __m256 r[8];
+        for (int j = 0; j < 8; j++) r[j] = _mm256_add_ps(_mm512_castps512_ps256(a[h][j]), _mm512_extractf32x8_ps(a[h][j], 1));
+        __m256 sc = _mm256_mul_ps(hsum8(r), _mm256_set1_ps(scale));
+        _mm256_storeu_ps(out + h * len, sc);
+        mx[h] = fmaxf(mx[h], hmax8(sc));
+    }
+}
+
+/* acc[h] += sum_j w[h * len + j] * rows[j] for heads h < nh (as above: each value row loaded once
+ * for all of them); w: normalized probabilities. */
+INLINE void accumulate8_512(const float *const rows[8], const float *w, long len, int nh, long dim, float *acc) {
+    __m512 wv[HEADS_PER_PASS][8];
+    for (int h = 0; h < nh; h++)
+        for (int j = 0; j < 8; j++) wv[h][j] = _mm512_set1_ps(w[h * len + j]);
+    for (long i = 0; i < dim; i += 16) {
+        __m512 o[HEADS_PER_PASS];
+        for (int h = 0; h < nh; h++) o[h] = _mm512_loadu_ps(acc + h * dim + i);
+        for (int j = 0; j < 8; j++) {
+            __m512 v = _mm512_loadu_ps(rows[j] + i);
+            for (int h = 0; h < nh; h++) o[h] = _mm512_fmadd_ps(wv[h][j], v, o[h]);
+        }
+        for (int h = 0; h < nh; h++) _mm512_storeu_ps(acc + h * dim + i, o[h]);
+    }
+}
+
+/* The heads of a group in passes of HEADS_PER_PASS, the last pass taking what is left; CALL(g, nh)
+ * runs one pass (nh a constant in each expansion). */
+#define HEAD_PASSES(group, CALL)                                        \
+    do {                                                                \
+        long g_ = 0;                                                    \
+        for (; g_ + HEADS_PER_PASS <= (group); g_ += HEADS_PER_PASS)    \
+            CALL(g_, HEADS_PER_PASS);                                   \
+        if ((group) - g_ == 2) CALL(g_, 2);                             \
+        else if ((group) - g_ == 1) CALL(g_, 1);                        \
+    } while (0)
+#endif
+
 /* One (sequence, KV head) job of decode attention, for rows stored as `kind` (constant after
  * inlining, so each kind gets its own loops). */
 INLINE void attend(int kind, const AnnaKVFormat *f, const float *qv, const uint8_t *k_cache,
@@ -486,12 +554,18 @@ INLINE void attend(int kind, const AnnaKVFormat *f, const float *qv, const uint8
     for (; dim % 8 == 0 && p + 8 <= n; p += 8) {
         const float *kr[8];
         paged_rows8(kind, k_cache, seq, p, n, dim, lo, hi, scratch, kr);
+#ifdef __AVX512F__
+        if (dim % 16 == 0) {
+#define SCORES(g, nh) scores8_512(qv + (g) * dim, kr, nh, dim, scale, scores + (g) * len + p - start, len, mx + (g))
+            HEAD_PASSES(group, SCORES);
+#undef SCORES
+            continue;
+        }
+#endif
         for (long g = 0; g < group; g++) {
             __m256 sc = _mm256_mul_ps(dot8(qv + g * dim, kr, dim), _mm256_set1_ps(scale));
             _mm256_storeu_ps(scores + g * len + p - start, sc);
-            __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(sc), _mm256_extractf128_ps(sc, 1));
-            m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-            float m = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+            float m = hmax8(sc);
             if (m > mx[g]) mx[g] = m;
         }
     }
@@ -518,6 +592,15 @@ INLINE void attend(int kind, const AnnaKVFormat *f, const float *qv, const uint8
             sum += sg[i];
         }
         inv[g] = 1.0f / sum;
+#ifdef __AVX512F__
+        if (dim % 16 == 0) {  /* the 512-bit value pass reads normalized probabilities */
+            __m256 vi = _mm256_set1_ps(inv[g]);
+            long k = 0;
+            for (; k + 8 <= len; k += 8) _mm256_storeu_ps(sg + k, _mm256_mul_ps(_mm256_loadu_ps(sg + k), vi));
+            for (; k < len; k++) sg[k] *= inv[g];
+            inv[g] = 1.0f;
+        }
+#endif
     }
     float *acc = rotated ? qr : o;  /* TurboQuant: the sum of rotated values, rotated back at the end */
     for (long i = 0; i < group * dim; i++) acc[i] = 0.0f;
@@ -527,6 +610,14 @@ INLINE void attend(int kind, const AnnaKVFormat *f, const float *qv, const uint8
     for (; dim % 8 == 0 && p + 8 <= n; p += 8) {
         const float *vr[8];
         paged_rows8(kind, v_cache, seq, p, n, dim, lo, hi, scratch, vr);
+#ifdef __AVX512F__
+        if (dim % 16 == 0) {  /* (probabilities normalized by the softmax pass) */
+#define ACCUMULATE(g, nh) accumulate8_512(vr, scores + (g) * len + p - start, len, nh, dim, acc + (g) * dim)
+            HEAD_PASSES(group, ACCUMULATE);
+#undef ACCUMULATE
+            continue;
+        }
+#endif
         for (long g = 0; g < group; g++) {
             const float *sg = scores + g * len + p - start;
             __m256 wv[8];
@@ -577,7 +668,9 @@ void anna_paged_decode_attention(const float *q, const void *k_cache, const void
         long cap = 0;
         float *scores = 0;
         float *mx = (float *)malloc(sizeof(float) * group), *inv = (float *)malloc(sizeof(float) * group);
-        float *scratch = (float *)malloc(sizeof(float) * 8 * dim), *qr = (float *)malloc(sizeof(float) * group * dim);
+        /* 64-byte aligned: decoded rows are stored and reloaded in 512-bit vectors */
+        float *scratch = (float *)aligned_alloc(64, sizeof(float) * ((8 * dim + 15) & ~15L));
+        float *qr = (float *)aligned_alloc(64, sizeof(float) * ((group * dim + 15) & ~15L));
         #pragma omp for schedule(dynamic, 1)
         for (long job = 0; job < seqs * kv_heads; job++) {
             long sq = job / kv_heads, kvh = job % kv_heads;
