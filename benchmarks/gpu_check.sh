@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The checks to run on a machine with an NVIDIA GPU (torch with CUDA and Anna installed):
-# the CUDA-marked tests, then decode speed by executor and eager against torch.compile, and the
-# cost of speculative decoding's verification steps.
+# the CUDA-marked tests, then decode speed by executor and eager against torch.compile, long-context
+# decode per KV cache dtype, and the cost of speculative decoding's verification steps.
 #     bash benchmarks/gpu_check.sh [results-dir]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -16,6 +16,9 @@ for executor in eager graph; do
     --decode-executor "$executor" --out "$out/decode_$executor.json"
 done
 python benchmarks/compile_bench.py --model "$model" --out "$out/compile.json"
+# long-context decode per KV cache dtype (the device is CUDA: LLM's device auto)
+python benchmarks/kv_cache_bench.py --model "$model" --contexts 8192 32768 \
+  --kv-cache-dtypes auto fp8_e4m3 int8 turboquant4 --out "$out/kv_cache.json"
 hybrid=benchmarks/models/qwen3.5-0.8b
 [ -f "$hybrid/config.json" ] || python benchmarks/make_random_model.py --shape qwen3.5-0.8b --out "$hybrid"
 python benchmarks/decode_bench.py --model "$hybrid" --device cuda --out "$out/decode_qwen3_5.json"

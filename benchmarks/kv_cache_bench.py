@@ -4,7 +4,7 @@
     python benchmarks/kv_cache_bench.py --model benchmarks/models/qwen2.5-0.5b \\
         --contexts 512 8192 32768 --kv-cache-dtypes auto bfloat16 int8 turboquant4
 
-For each context: a prompt of that many random tokens is prefilled, then ``--new-tokens`` are
+For each context: a prompt of that many random tokens (fewer where the model's positions end) is prefilled, then ``--new-tokens`` are
 decoded with ignore_eos (batch 1); tok/s = (tokens - 1) / (time of the last - time of the first).
 ``--streams N --stream-context C``: N requests of C tokens decoding together (their prompts share
 all but their last 16 tokens, so that the run's prefill stays short; their KV reads are those of
@@ -85,7 +85,9 @@ def main() -> None:
         result["capacity"][dtype] = {"bytes_per_token": plan.bytes_per_token, "tokens_in_budget": plan.num_tokens}
         print(dtype, result["capacity"][dtype], flush=True)
         del llm
+    limit = json.loads((Path(args.model) / "config.json").read_text())["max_position_embeddings"]
     for context in args.contexts:
+        context = min(context, limit - args.new_tokens - 16)  # the prompt and its new tokens fit the model
         prompt = [rng.randrange(3, 700) for _ in range(context)]
         row = {"context": context}
         ref = None

@@ -110,3 +110,17 @@ def test_cuda_speculative_outputs_equal_plain_decoding(arch, executor, hf_models
             use_oracle(engine, reference, requests)
         assert {rid: o.outputs[0].token_ids for rid, o in drain(engine, requests).items()} == reference
     assert engine.stats.spec.num_accepted_tokens > 0
+
+
+@pytest.mark.parametrize("name, bound", [("float32", 0.002), ("int8", 0.03), ("fp8_e4m3", 0.12),
+                                         ("turboquant4", 0.3), ("turboquant3", 0.55)])
+def test_cuda_kv_cache_dtypes_stay_near_the_model_dtype_kv(name, bound, hf_models, cache_dir):
+    """torch's reference formats on the GPU (what CPU kernels' bytes are checked against): logits
+    with each KV cache dtype within its bound of the run with KV in the activation dtype."""
+    _, path = hf_models["qwen2"]
+    base = LLMEngine(engine_settings(path, cache_dir, device="cuda"), show_progress=False)
+    ref, tokens = run_logits(base, PROMPT, 16)
+    engine = LLMEngine(engine_settings(path, cache_dir, device="cuda", kv_cache_dtype=name), show_progress=False)
+    assert engine.runner.kv_caches[0].format.name == name
+    logits, _ = run_logits(engine, PROMPT, 16, chunks=[7, 33], forced=tokens)
+    assert (logits - ref).norm() <= bound * ref.norm()

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# The KV cache benchmark of docs/BENCHMARKS.md ("KV cache dtypes"), on whatever machine this runs:
+# Anna's decode attention per KV cache dtype (the kernel alone), batch-1 decode at 512, 8K and 32K
+# tokens of context and 16 streams at 4K through the engine, capacity in a 1 GiB budget, and
+# llama.cpp on the same model with -ctk/-ctv f16, q8_0 and q4_0 at the same contexts, one after the
+# other in one run.
+#
+#   python benchmarks/make_random_model.py --out benchmarks/models/qwen2.5-0.5b
+#   python benchmarks/export_gguf.py ...            # the F16 GGUF of the same model
+#   LLAMA_BIN=/path/llama.cpp/build/bin F16=qwen2.5-0.5b-f16.gguf \
+#       bash benchmarks/kv_cache_pairs.sh benchmarks/results/kv_cache/run1
+#
+# Every result is a file under the output folder; the CPU's name and flags are in cpu.txt.
+set -euo pipefail
+OUT=${1:?output folder}
+MODEL=${MODEL:-benchmarks/models/qwen2.5-0.5b}
+LLAMA_BIN=${LLAMA_BIN:?llama.cpp bin folder}
+F16=${F16:?F16 GGUF}
+TYPES=${TYPES:-float32 bfloat16 int8 fp8_e4m3 turboquant4 turboquant3}  # float32: the baseline (auto on CPU)
+LONG_TYPES=${LONG_TYPES:-float32 int8 turboquant4}  # at 32K (each prefills 32K tokens)
+STEPS=${STEPS:-kernel anna llamacpp}
+mkdir -p "$OUT"
+{ grep -m1 "model name" /proc/cpuinfo; grep -m1 "^flags" /proc/cpuinfo; nproc; } > "$OUT/cpu.txt"
+
+for step in $STEPS; do
+  case $step in
+    kernel)
+      python benchmarks/attention_bench.py --contexts 512 8192 32768 --seqs 1 --pool-blocks 2048 \
+        --kv-cache-dtypes $TYPES > "$OUT/attention_batch1.json"
+      python benchmarks/attention_bench.py --contexts 4096 --seqs 16 --kv-cache-dtypes $TYPES \
+        > "$OUT/attention_16x4k.json" ;;
+    anna)
+      python benchmarks/kv_cache_bench.py --model "$MODEL" --contexts 512 8192 --kv-cache-dtypes $TYPES \
+        --streams 16 --stream-context 4096 --out "$OUT/anna_512_8k_streams.json"
+      python benchmarks/kv_cache_bench.py --model "$MODEL" --contexts 32768 --kv-cache-dtypes $LONG_TYPES \
+        --out "$OUT/anna_32k.json" ;;
+    llamacpp)
+      for t in f16 q8_0 q4_0; do
+        "$LLAMA_BIN/llama-bench" -m "$F16" -t 2 -p 0 -n 32 -d 512,8192,32768 -fa 1 -ctk $t -ctv $t -r 1 -o json \
+          > "$OUT/llamacpp_decode_$t.json"
+        "$LLAMA_BIN/llama-batched-bench" -m "$F16" -t 2 -c 66560 -b 2048 -ub 512 -npp 4080 -ntg 32 -npl 16 -pps \
+          -fa 1 -ctk $t -ctv $t > "$OUT/llamacpp_16x4k_$t.txt" 2>&1
+      done ;;
+  esac
+done
