@@ -505,33 +505,130 @@ INLINE void scores8_512(const float *qv, const float *const rows[8], int nh, lon
     }
 }
 
-/* acc[h] += sum_j w[h * len + j] * rows[j] for heads h < nh (as above: each value row loaded once
- * for all of them); w: normalized probabilities. */
+#define V_HEADS_PER_PASS 8  /* value rows: the weights are broadcast from memory, so more heads fit */
+
+/* acc[h] += sum_j w[h * len + j] * rows[j] for heads h < nh (nh <= V_HEADS_PER_PASS, a constant at
+ * each call: each value row loaded once for all of them); w: normalized probabilities. */
 INLINE void accumulate8_512(const float *const rows[8], const float *w, long len, int nh, long dim, float *acc) {
-    __m512 wv[HEADS_PER_PASS][8];
-    for (int h = 0; h < nh; h++)
-        for (int j = 0; j < 8; j++) wv[h][j] = _mm512_set1_ps(w[h * len + j]);
     for (long i = 0; i < dim; i += 16) {
-        __m512 o[HEADS_PER_PASS];
+        __m512 o[V_HEADS_PER_PASS];
         for (int h = 0; h < nh; h++) o[h] = _mm512_loadu_ps(acc + h * dim + i);
         for (int j = 0; j < 8; j++) {
             __m512 v = _mm512_loadu_ps(rows[j] + i);
-            for (int h = 0; h < nh; h++) o[h] = _mm512_fmadd_ps(wv[h][j], v, o[h]);
+            for (int h = 0; h < nh; h++) o[h] = _mm512_fmadd_ps(_mm512_set1_ps(w[h * len + j]), v, o[h]);
         }
         for (int h = 0; h < nh; h++) _mm512_storeu_ps(acc + h * dim + i, o[h]);
     }
 }
 
-/* The heads of a group in passes of HEADS_PER_PASS, the last pass taking what is left; CALL(g, nh)
- * runs one pass (nh a constant in each expansion). */
-#define HEAD_PASSES(group, CALL)                                        \
-    do {                                                                \
-        long g_ = 0;                                                    \
-        for (; g_ + HEADS_PER_PASS <= (group); g_ += HEADS_PER_PASS)    \
-            CALL(g_, HEADS_PER_PASS);                                   \
-        if ((group) - g_ == 2) CALL(g_, 2);                             \
-        else if ((group) - g_ == 1) CALL(g_, 1);                        \
+/* The heads of a group in passes of PER heads, the last pass taking what is left; CALL(g, nh) runs
+ * one pass (nh a constant in each expansion). */
+#define HEAD_PASSES(group, PER, CALL)                                                 \
+    do {                                                                              \
+        long g_ = 0;                                                                  \
+        for (; g_ + (PER) <= (group); g_ += (PER)) CALL(g_, PER);                     \
+        switch ((group) - g_) {                                                       \
+        case 7: if ((PER) > 7) CALL(g_, 7); break;                                    \
+        case 6: if ((PER) > 6) CALL(g_, 6); break;                                    \
+        case 5: if ((PER) > 5) CALL(g_, 5); break;                                    \
+        case 4: if ((PER) > 4) CALL(g_, 4); break;                                    \
+        case 3: if ((PER) > 3) CALL(g_, 3); break;                                    \
+        case 2: if ((PER) > 2) CALL(g_, 2); break;                                    \
+        case 1: CALL(g_, 1); break;                                                   \
+        }                                                                             \
     } while (0)
+#endif
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+/* Keys stored as int8 values (int8 rows, or TurboQuant 4-bit levels mapped to int8) score on VNNI's
+ * u8 x s8 dot products instead of decoded fp32: sixteen rows at a time, transposed into dword columns
+ * (column c: values 4c .. 4c + 3 of each row), so that one vpdpbusd per column and head adds four
+ * products to each of the sixteen rows' sums with no horizontal reduction. Keys enter as u8 (value
+ * + 128) and queries as s8 (each head's rotated query quantized to int8 with a scale of its own),
+ * the 128 * sum(q) this adds taken off once per head. */
+#define VNNI_MAX_HEADS 8
+
+INLINE void transpose16_epi32(__m512i r[16]) {
+    __m512i t[16], u[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {  /* u[4b + m], 128-bit lane L: dword 4L + m of rows 4b .. 4b + 3 */
+        u[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        u[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        u[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        u[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int m = 0; m < 4; m++) {
+        __m512i v1 = _mm512_shuffle_i32x4(u[m], u[4 + m], 0x44), v2 = _mm512_shuffle_i32x4(u[8 + m], u[12 + m], 0x44);
+        __m512i v3 = _mm512_shuffle_i32x4(u[m], u[4 + m], 0xEE), v4 = _mm512_shuffle_i32x4(u[8 + m], u[12 + m], 0xEE);
+        r[m] = _mm512_shuffle_i32x4(v1, v2, 0x88);
+        r[4 + m] = _mm512_shuffle_i32x4(v1, v2, 0xDD);
+        r[8 + m] = _mm512_shuffle_i32x4(v3, v4, 0x88);
+        r[12 + m] = _mm512_shuffle_i32x4(v3, v4, 0xDD);
+    }
+}
+
+/* 64 values of a row from `slice` (their first byte) as u8 (value + 128): int8 rows flip the sign
+ * bit; TurboQuant 4-bit rows look their nibbles up in `lut` (the int8 levels + 128, in each lane). */
+INLINE __m512i key_slice_u8(int kind, const uint8_t *slice, __m512i lut) {
+    if (kind == KV_INT8) return _mm512_xor_si512(_mm512_loadu_si512(slice), _mm512_set1_epi8((char)0x80));
+    __m256i b = _mm256_loadu_si256((const __m256i *)slice);
+    __m256i lo = _mm256_and_si256(b, _mm256_set1_epi8(15));
+    __m256i hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), _mm256_set1_epi8(15));
+    __m256i a = _mm256_unpacklo_epi8(lo, hi), c = _mm256_unpackhi_epi8(lo, hi);  /* values 0-15|32-47, 16-31|48-63 */
+    __m512i codes = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_permute2x128_si256(a, c, 0x20)),
+                                       _mm256_permute2x128_si256(a, c, 0x31), 1);
+    return _mm512_shuffle_epi8(lut, codes);
+}
+
+/* Scores of sixteen rows for heads h < nh (a constant at each call); qi: the heads' int8 queries
+ * [nh][dim], qscale/qsum: their scales and sums; rowscale: each row's value scale. */
+INLINE void scores16_vnni(int kind, const uint8_t *const rows[16], const float *rowscale, const int8_t *qi,
+                          const float *qscale, const int32_t *qsum, int nh, long dim, float scale, __m512i lut,
+                          float *out, long len, float *mx) {
+    __m512i acc[VNNI_MAX_HEADS];
+    for (int h = 0; h < nh; h++) acc[h] = _mm512_setzero_si512();
+    long slice_bytes = kind == KV_TQ4 ? 32 : 64;
+    for (long s = 0; s < dim / 64; s++) {
+        __m512i col[16];
+        for (int j = 0; j < 16; j++) col[j] = key_slice_u8(kind, rows[j] + s * slice_bytes, lut);
+        transpose16_epi32(col);
+        for (int c = 0; c < 16; c++)
+            for (int h = 0; h < nh; h++) {
+                int32_t qd;
+                memcpy(&qd, qi + h * dim + s * 64 + c * 4, 4);
+                acc[h] = _mm512_dpbusd_epi32(acc[h], col[c], _mm512_set1_epi32(qd));
+            }
+    }
+    __m512 rs = _mm512_mul_ps(_mm512_loadu_ps(rowscale), _mm512_set1_ps(scale));
+    for (int h = 0; h < nh; h++) {
+        __m512i dots = _mm512_sub_epi32(acc[h], _mm512_set1_epi32(128 * qsum[h]));
+        __m512 sc = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(dots), rs), _mm512_set1_ps(qscale[h]));
+        _mm512_storeu_ps(out + h * len, sc);
+        float m = _mm512_reduce_max_ps(sc);
+        if (m > mx[h]) mx[h] = m;
+    }
+}
+
+/* Each head's query as int8 with its own scale (round to nearest), and the sum of its int8 values. */
+static void quantize_queries(const float *q, long group, long dim, int8_t *qi, float *qscale, int32_t *qsum) {
+    for (long g = 0; g < group; g++) {
+        const float *x = q + g * dim;
+        float amax = 0.0f;
+        for (long d = 0; d < dim; d++) amax = fmaxf(amax, fabsf(x[d]));
+        float s = amax > 0.0f ? amax / 127.0f : 1.0f, inv = 1.0f / s;
+        int32_t sum = 0;
+        for (long d = 0; d < dim; d++) {
+            int v = (int)nearbyintf(x[d] * inv);
+            qi[g * dim + d] = (int8_t)v;
+            sum += v;
+        }
+        qscale[g] = s;
+        qsum[g] = sum;
+    }
+}
 #endif
 
 /* One (sequence, KV head) job of decode attention, for rows stored as `kind` (constant after
@@ -550,6 +647,33 @@ INLINE void attend(int kind, const AnnaKVFormat *f, const float *qv, const uint8
     }
     for (long g = 0; g < group; g++) mx[g] = -INFINITY;
     long p = start;
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    if ((kind == KV_INT8 || kind == KV_TQ4) && dim % 64 == 0 && group <= VNNI_MAX_HEADS && n - p >= 16) {
+        int8_t *qi = (int8_t *)scratch;  /* (the decode scratch is free until the tail below) */
+        float qscale[VNNI_MAX_HEADS], rowscale[16], lscale = 1.0f;
+        int32_t qsum[VNNI_MAX_HEADS];
+        quantize_queries(qv, group, dim, qi, qscale, qsum);
+        __m512i lut = _mm512_setzero_si512();
+        if (kind == KV_TQ4) {  /* levels as int8 (+ 128), 127 at the largest */
+            uint8_t l8[16];
+            lscale = f->levels[15] / 127.0f;
+            for (int c = 0; c < 16; c++) l8[c] = (uint8_t)((int)nearbyintf(f->levels[c] / lscale) + 128);
+            lut = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)l8));
+        }
+        for (; p + 16 <= n; p += 16) {
+            const uint8_t *rows[16];
+            for (int j = 0; j < 16; j++) {
+                rows[j] = paged_row(k_cache, seq, p + j);
+                rowscale[j] = kv_row_scale(kind, rows[j], dim) * lscale;
+                if (p + 16 + j < n) _mm_prefetch((const char *)paged_row(k_cache, seq, p + 16 + j), _MM_HINT_T0);
+            }
+#define SCORES16(g, nh) scores16_vnni(kind, rows, rowscale, qi + (g) * dim, qscale + (g), qsum + (g), nh, dim, scale, \
+                                      lut, scores + (g) * len + p - start, len, mx + (g))
+            HEAD_PASSES(group, VNNI_MAX_HEADS, SCORES16);
+#undef SCORES16
+        }
+    }
+#endif
     /* eight positions at a time: one reduction for eight scores instead of one each */
     for (; dim % 8 == 0 && p + 8 <= n; p += 8) {
         const float *kr[8];
@@ -557,7 +681,7 @@ INLINE void attend(int kind, const AnnaKVFormat *f, const float *qv, const uint8
 #ifdef __AVX512F__
         if (dim % 16 == 0) {
 #define SCORES(g, nh) scores8_512(qv + (g) * dim, kr, nh, dim, scale, scores + (g) * len + p - start, len, mx + (g))
-            HEAD_PASSES(group, SCORES);
+            HEAD_PASSES(group, HEADS_PER_PASS, SCORES);
 #undef SCORES
             continue;
         }
@@ -613,7 +737,7 @@ INLINE void attend(int kind, const AnnaKVFormat *f, const float *qv, const uint8
 #ifdef __AVX512F__
         if (dim % 16 == 0) {  /* (probabilities normalized by the softmax pass) */
 #define ACCUMULATE(g, nh) accumulate8_512(vr, scores + (g) * len + p - start, len, nh, dim, acc + (g) * dim)
-            HEAD_PASSES(group, ACCUMULATE);
+            HEAD_PASSES(group, V_HEADS_PER_PASS, ACCUMULATE);
 #undef ACCUMULATE
             continue;
         }
