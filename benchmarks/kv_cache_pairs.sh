@@ -17,8 +17,11 @@ MODEL=${MODEL:-benchmarks/models/qwen2.5-0.5b}
 LLAMA_BIN=${LLAMA_BIN:?llama.cpp bin folder}
 F16=${F16:?F16 GGUF}
 TYPES=${TYPES:-float32 bfloat16 int8 fp8_e4m3 turboquant4 turboquant3}  # float32: the baseline (auto on CPU)
-LONG_TYPES=${LONG_TYPES:-float32 int8 turboquant4}  # at 32K (each prefills 32K tokens)
+LONG_TYPES=${LONG_TYPES-float32 turboquant4}  # at 32K (each prefills 32K tokens; empty: skipped)
 STEPS=${STEPS:-kernel anna llamacpp}
+LLAMA_DEPTHS=${LLAMA_DEPTHS:-512,8192,32768}  # llama-bench prefills each depth first (32K: over 15 min here)
+LLAMA_TYPES=${LLAMA_TYPES:-f16 q8_0 q4_0}
+LLAMA_STREAM_TYPES=${LLAMA_STREAM_TYPES:-f16 q8_0 q4_0}
 mkdir -p "$OUT"
 { grep -m1 "model name" /proc/cpuinfo; grep -m1 "^flags" /proc/cpuinfo; nproc; } > "$OUT/cpu.txt"
 
@@ -32,12 +35,18 @@ for step in $STEPS; do
     anna)
       python benchmarks/kv_cache_bench.py --model "$MODEL" --contexts 512 8192 --kv-cache-dtypes $TYPES \
         --streams 16 --stream-context 4096 --out "$OUT/anna_512_8k_streams.json"
-      python benchmarks/kv_cache_bench.py --model "$MODEL" --contexts 32768 --kv-cache-dtypes $LONG_TYPES \
-        --out "$OUT/anna_32k.json" ;;
+      if [ -n "$LONG_TYPES" ]; then  # bf16 weights, then int4 (where the KV's share of a step is larger)
+        for q in none int4; do
+          python benchmarks/kv_cache_bench.py --model "$MODEL" --quantization $q --contexts 32768 \
+            --kv-cache-dtypes $LONG_TYPES --new-tokens 24 --out "$OUT/anna_32k_$q.json"
+        done
+      fi ;;
     llamacpp)
-      for t in f16 q8_0 q4_0; do
-        "$LLAMA_BIN/llama-bench" -m "$F16" -t 2 -p 0 -n 32 -d 512,8192,32768 -fa 1 -ctk $t -ctv $t -r 1 -o json \
+      for t in $LLAMA_TYPES; do
+        "$LLAMA_BIN/llama-bench" -m "$F16" -t 2 -p 0 -n 32 -d "$LLAMA_DEPTHS" -fa 1 -ctk $t -ctv $t -r 1 -o json \
           > "$OUT/llamacpp_decode_$t.json"
+      done
+      for t in $LLAMA_STREAM_TYPES; do  # 16 streams sharing a 4,080-token prompt (-pps), as Anna's
         "$LLAMA_BIN/llama-batched-bench" -m "$F16" -t 2 -c 66560 -b 2048 -ub 512 -npp 4080 -ntg 32 -npl 16 -pps \
           -fa 1 -ctk $t -ctv $t > "$OUT/llamacpp_16x4k_$t.txt" 2>&1
       done ;;
