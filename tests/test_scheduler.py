@@ -107,13 +107,14 @@ def test_prefill_interval_delays_admission(qwen2_dir, cache_dir):
     assert_pool_free(engine)
 
 
-def test_prefix_cache_hits_are_exact_and_outputs_unchanged(qwen2_dir, cache_dir):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8", "turboquant4"])  # blocks keep their scales
+def test_prefix_cache_hits_are_exact_and_outputs_unchanged(qwen2_dir, cache_dir, kv_cache_dtype):
     prefix = list(range(100, 140))  # 40 tokens: two full 16-token blocks
     prompts = [prefix + [5, 6, 7], prefix + [8, 9], prefix[:20] + [10]]
     params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
     outs = {}
     for caching in (False, True):
-        engine = make_engine(qwen2_dir, cache_dir, enable_prefix_caching=caching)
+        engine = make_engine(qwen2_dir, cache_dir, enable_prefix_caching=caching, kv_cache_dtype=kv_cache_dtype)
         res = {}
         hits = []
         for i, p in enumerate(prompts):
