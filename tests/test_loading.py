@@ -147,6 +147,6 @@ def test_memory_plan_logs_each_step(qwen2_dir, cache_dir, caplog):
     blocks = int(0.001 * 2**30) // (16 * 2 * 2 * 2 * 16 * 4)  # tokens x K,V x layers x kv heads x head_dim x fp32
     assert engine.kv.num_blocks == blocks
     per_token = 2 * 2 * 2 * 16 * 4
-    assert f"paged attention KV: {per_token} bytes per token; {blocks} blocks x 16 tokens = {blocks * 16} tokens" in plan
+    assert f"paged attention KV: float32 rows, {per_token} bytes per token; {blocks} blocks x 16 tokens = {blocks * 16} tokens" in plan
     assert "per-sequence state" not in plan  # no layer of this model keeps one
     assert f"max concurrency at max_model_len=256: {blocks * 16 / 256:.2f}" in plan
