@@ -72,12 +72,12 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/kv_cache_bench.json"))
     args = ap.parse_args()
     rng = random.Random(0)
-    result = {"cpu": platform.processor() or platform.machine(), "torch": torch.__version__,
+    with open("/proc/cpuinfo") as fh:
+        cpu = next((line.split(":", 1)[1].strip() for line in fh if line.startswith("model name")),
+                   platform.processor() or platform.machine())
+    result = {"cpu": cpu, "torch": torch.__version__,
               "threads": torch.get_num_threads(), "model": args.model, "dtype": args.dtype,
               "quantization": args.quantization, "capacity": {}, "batch1": [], "streams": None}
-    with open("/proc/cpuinfo") as fh:
-        result["cpu"] = next((line.split(":", 1)[1].strip() for line in fh if line.startswith("model name")),
-                             result["cpu"])
     for dtype in args.kv_cache_dtypes:
         llm = LLM(args.model, dtype=args.dtype, kv_cache_dtype=dtype, kv_cache_memory=args.budget_gib,
                   max_model_len=512, cache_dir=args.cache_dir, quantization=args.quantization)

@@ -28,10 +28,11 @@ from functools import lru_cache
 
 import torch
 
-KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8_e4m3", "int8", "turboquant4", "turboquant3")
-KV_CACHE_DTYPE_ALIASES = {"fp8": "fp8_e4m3"}  # vLLM's name
 FLOAT_FORMATS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 TURBOQUANT_BITS = {"turboquant4": 4, "turboquant3": 3}
+QUANTIZED_FORMATS = ("fp8_e4m3", "int8", *TURBOQUANT_BITS)
+KV_CACHE_DTYPES = ("auto", *FLOAT_FORMATS, *QUANTIZED_FORMATS)
+KV_CACHE_DTYPE_ALIASES = {"fp8": "fp8_e4m3"}  # vLLM's name
 ROTATION_SEED = 20250428  # fixed: a cache's rows are read with the rotation they were written with
 FP8_MAX = 448.0  # the largest float8 e4m3 value
 INT8_MAX = 127.0
@@ -50,7 +51,7 @@ class KVFormat:
     head_dim: int
 
     def __post_init__(self) -> None:
-        if self.name not in FLOAT_FORMATS and self.name not in KV_CACHE_DTYPES[4:]:
+        if self.name not in FLOAT_FORMATS and self.name not in QUANTIZED_FORMATS:
             raise ValueError(f"kv_cache_dtype: unknown KV cache format {self.name!r}")
         if self.quantized and self.head_dim % 8:
             raise ValueError(f"kv_cache_dtype: {self.name} needs a head size that is a multiple of 8; this model's "
@@ -191,8 +192,7 @@ def lloyd_max_levels(head_dim: int, bits: int, grid: int = 1 << 20, iterations: 
     that are the means of their cells, cells split halfway between levels. Computed once per head
     size on a fine grid in float64 (about 0.1 s), from Gaussian quantiles scaled by 1/sqrt(d)."""
     d, n = head_dim, 1 << bits
-    x = (torch.arange(grid, dtype=torch.float64) + 0.5) / grid * 2 - 1
-    density = (1 - x * x).clamp_min(0) ** ((d - 3) / 2)
+    x, density = _coordinate_law(d, grid)
     mass = torch.cumsum(density, 0)
     moment = torch.cumsum(density * x, 0)
     total = mass[-1]
@@ -216,9 +216,13 @@ def turboquant_mse(head_dim: int, bits: int) -> float:
     """The expected squared error of a unit vector (1 - d * sum of level^2 * cell mass): what the
     round-trip test checks the stored rows against."""
     levels, bounds = lloyd_max_levels(head_dim, bits)
-    d = head_dim
-    x = (torch.arange(1 << 20, dtype=torch.float64) + 0.5) / (1 << 20) * 2 - 1
-    density = (1 - x * x).clamp_min(0) ** ((d - 3) / 2)
-    density /= density.sum()
+    x, density = _coordinate_law(head_dim, 1 << 20)
     cell = torch.bucketize(x.float(), bounds)
-    return float(((x - levels.double()[cell]) ** 2 * density).sum() * d)
+    return float(((x - levels.double()[cell]) ** 2 * density).sum() / density.sum() * head_dim)
+
+
+def _coordinate_law(d: int, grid: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Grid points on [-1, 1] and the (unnormalized) density there of one coordinate of a uniform
+    unit vector in R^d: (1 - x^2)^((d - 3) / 2)."""
+    x = (torch.arange(grid, dtype=torch.float64) + 0.5) / grid * 2 - 1
+    return x, (1 - x * x).clamp_min(0) ** ((d - 3) / 2)

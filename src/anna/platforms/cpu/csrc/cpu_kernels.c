@@ -635,7 +635,7 @@ static void quantize_queries(const float *q, long group, long dim, int8_t *qi, f
  * inlining, so each kind gets its own loops). */
 INLINE void attend(int kind, const AnnaKVFormat *f, const float *qv, const uint8_t *k_cache,
                    const uint8_t *v_cache, const PagedSeq *seq, long start, long n, long group, long dim,
-                   float scale, float *scores, float *mx, float *inv, float *scratch, float *qr, float *o) {
+                   float scale, float *scores, float *mx, float *scratch, float *qr, float *o) {
     long len = n - start;
     int rotated = kind == KV_TQ4 || kind == KV_TQ3;
     __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
@@ -715,16 +715,12 @@ INLINE void attend(int kind, const AnnaKVFormat *f, const float *qv, const uint8
             sg[i] = expf(sg[i] - mx[g]);
             sum += sg[i];
         }
-        inv[g] = 1.0f / sum;
-#ifdef __AVX512F__
-        if (dim % 16 == 0) {  /* the 512-bit value pass reads normalized probabilities */
-            __m256 vi = _mm256_set1_ps(inv[g]);
-            long k = 0;
-            for (; k + 8 <= len; k += 8) _mm256_storeu_ps(sg + k, _mm256_mul_ps(_mm256_loadu_ps(sg + k), vi));
-            for (; k < len; k++) sg[k] *= inv[g];
-            inv[g] = 1.0f;
-        }
-#endif
+        /* normalized once here: the value passes read probabilities */
+        float inv = 1.0f / sum;
+        __m256 vi = _mm256_set1_ps(inv);
+        long k = 0;
+        for (; k + 8 <= len; k += 8) _mm256_storeu_ps(sg + k, _mm256_mul_ps(_mm256_loadu_ps(sg + k), vi));
+        for (; k < len; k++) sg[k] *= inv;
     }
     float *acc = rotated ? qr : o;  /* TurboQuant: the sum of rotated values, rotated back at the end */
     for (long i = 0; i < group * dim; i++) acc[i] = 0.0f;
@@ -735,7 +731,7 @@ INLINE void attend(int kind, const AnnaKVFormat *f, const float *qv, const uint8
         const float *vr[8];
         paged_rows8(kind, v_cache, seq, p, n, dim, lo, hi, scratch, vr);
 #ifdef __AVX512F__
-        if (dim % 16 == 0) {  /* (probabilities normalized by the softmax pass) */
+        if (dim % 16 == 0) {
 #define ACCUMULATE(g, nh) accumulate8_512(vr, scores + (g) * len + p - start, len, nh, dim, acc + (g) * dim)
             HEAD_PASSES(group, V_HEADS_PER_PASS, ACCUMULATE);
 #undef ACCUMULATE
@@ -745,7 +741,7 @@ INLINE void attend(int kind, const AnnaKVFormat *f, const float *qv, const uint8
         for (long g = 0; g < group; g++) {
             const float *sg = scores + g * len + p - start;
             __m256 wv[8];
-            for (int j = 0; j < 8; j++) wv[j] = _mm256_set1_ps(sg[j] * inv[g]);
+            for (int j = 0; j < 8; j++) wv[j] = _mm256_set1_ps(sg[j]);
             float *og = acc + g * dim;
             for (long i = 0; i < dim; i += 8) {
                 /* two chains of four fmas instead of one of eight */
@@ -762,7 +758,7 @@ INLINE void attend(int kind, const AnnaKVFormat *f, const float *qv, const uint8
     for (; p < n; p++) {
         const float *vv = paged_row1(kind, v_cache, seq, p, dim, lo, hi, scratch);
         for (long g = 0; g < group; g++) {
-            float wgt = scores[g * len + p - start] * inv[g];
+            float wgt = scores[g * len + p - start];
             float *og = acc + g * dim;
             long i = 0;
             __m256 wv = _mm256_set1_ps(wgt);
@@ -791,7 +787,7 @@ void anna_paged_decode_attention(const float *q, const void *k_cache, const void
     {
         long cap = 0;
         float *scores = 0;
-        float *mx = (float *)malloc(sizeof(float) * group), *inv = (float *)malloc(sizeof(float) * group);
+        float *mx = (float *)malloc(sizeof(float) * group);
         /* 64-byte aligned: decoded rows are stored and reloaded in 512-bit vectors */
         float *scratch = (float *)aligned_alloc(64, sizeof(float) * ((8 * dim + 15) & ~15L));
         float *qr = (float *)aligned_alloc(64, sizeof(float) * ((group * dim + 15) & ~15L));
@@ -808,7 +804,7 @@ void anna_paged_decode_attention(const float *q, const void *k_cache, const void
             float *o = out + (sq * heads + kvh * group) * dim;
             PagedSeq seq = {tables + sq * table_width, block_size, kv_heads, kvh, row_bytes, shift};
             const uint8_t *kc = (const uint8_t *)k_cache, *vc = (const uint8_t *)v_cache;
-#define ATTEND(K) attend(K, f, qv, kc, vc, &seq, start, n, group, dim, scale, scores, mx, inv, scratch, qr, o)
+#define ATTEND(K) attend(K, f, qv, kc, vc, &seq, start, n, group, dim, scale, scores, mx, scratch, qr, o)
             switch (kind) {
             case KV_BF16: ATTEND(KV_BF16); break;
             case KV_F16: ATTEND(KV_F16); break;
@@ -822,7 +818,6 @@ void anna_paged_decode_attention(const float *q, const void *k_cache, const void
         }
         free(scores);
         free(mx);
-        free(inv);
         free(scratch);
         free(qr);
     }
