@@ -1,12 +1,15 @@
-"""Write a Qwen2, Qwen3 or Qwen3-MoE benchmark model as an F16 GGUF file, so that llama.cpp can be
-measured on the same shapes and the same machine as Anna (llama-bench, llama-server).
+"""Write a Llama, Qwen2, Qwen3 or Qwen3-MoE model as a GGUF file, so that llama.cpp can be
+measured on the same shapes and the same machine as Anna (llama-bench, llama-server), and so that
+Anna's GGUF loading can be tested on files written by the gguf package's own writer.
 
-    pip install gguf
     python benchmarks/export_gguf.py --model benchmarks/models/qwen2.5-0.5b --out /tmp/qwen2.5-0.5b-f16.gguf
 
 Only what llama.cpp needs to run the model is written: the architecture's hyperparameters, the
-byte-level BPE vocabulary (padded to the embedding's rows) and the tensors under llama.cpp's names.
-Quantized GGUF files (Q4_0, Q8_0) come from this one with llama.cpp's own `llama-quantize`.
+byte-level BPE vocabulary (padded to the embedding's rows), the chat template and the tensors under
+llama.cpp's names (a Llama's q/k rows permuted as llama.cpp's converter does). Matrices are F16, or
+with --outtype q8_0 / q4_0 quantized by the gguf package (every matrix, the embedding included, as
+`llama-quantize --pure` does); llama.cpp's own `llama-quantize` makes the usual mixed files from the
+F16 one.
 """
 
 from __future__ import annotations
@@ -31,7 +34,10 @@ LAYER_NAMES = {
 }
 EXPERT_NAMES = {"gate_proj": "ffn_gate_exps.weight", "up_proj": "ffn_up_exps.weight",
                 "down_proj": "ffn_down_exps.weight"}  # one [experts, rows, cols] tensor each
-ARCHS = {"qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3moe"}
+ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3moe"}
+OUTTYPES = {"f16": None, "q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationType.Q4_0}
+FILE_TYPES = {"f16": gguf.LlamaFileType.MOSTLY_F16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
+              "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0}
 TOP_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
              "lm_head.weight": "output.weight"}
 
@@ -59,7 +65,9 @@ def add_vocabulary(writer: gguf.GGUFWriter, model_dir: Path, vocab_size: int, ge
             types.append(gguf.TokenType.UNUSED)
     merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"].get("merges", [])]
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("qwen2")
+    # GPT-2's split (a plain ByteLevel pre-tokenizer, as the demo tokenizer has) or Qwen2's
+    pre = tok.get("pre_tokenizer") or {}
+    writer.add_tokenizer_pre("gpt2" if pre.get("type") == "ByteLevel" and pre.get("use_regex", True) else "qwen2")
     writer.add_token_list(tokens)
     writer.add_token_types(types)
     writer.add_token_merges(merges)
@@ -67,9 +75,28 @@ def add_vocabulary(writer: gguf.GGUFWriter, model_dir: Path, vocab_size: int, ge
     writer.add_eos_token_id(eos[0] if isinstance(eos, list) else eos)
     writer.add_bos_token_id(gen.get("bos_token_id", 0))
     writer.add_add_bos_token(False)
+    tok_cfg = model_dir / "tokenizer_config.json"
+    template = json.loads(tok_cfg.read_text()).get("chat_template") if tok_cfg.exists() else None
+    if isinstance(template, str):
+        writer.add_chat_template(template)
 
 
-def export(model_dir: Path, out: Path) -> None:
+def permute_rotary(w: np.ndarray, heads: int) -> np.ndarray:
+    """Hugging Face's rotate-half rows -> llama.cpp's interleaved pairs, per head (its converter's
+    permute for Llama's q and k)."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def matrix(array: np.ndarray, outtype: str) -> tuple[np.ndarray, gguf.GGMLQuantizationType]:
+    qtype = OUTTYPES[outtype]
+    if qtype is None or array.shape[-1] % 32:
+        return array.astype(np.float16), gguf.GGMLQuantizationType.F16
+    return gguf.quants.quantize(array.astype(np.float32), qtype), qtype
+
+
+def export(model_dir: Path, out: Path, outtype: str = "f16", encode=None) -> None:
+    """``encode(hf_name, array) -> (data, type) | None``: a caller's own encoding of some matrices
+    (tests write K-quant blocks by hand: the gguf package has no K-quant quantizer)."""
     cfg = json.loads((model_dir / "config.json").read_text())
     arch = ARCHS.get(cfg.get("model_type"))
     if arch is None:
@@ -87,25 +114,35 @@ def export(model_dir: Path, out: Path) -> None:
     if cfg.get("head_dim"):
         writer.add_key_length(cfg["head_dim"])
         writer.add_value_length(cfg["head_dim"])
-    if cfg.get("num_experts"):
-        writer.add_expert_count(cfg["num_experts"])
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts")  # (transformers 5 writes the latter)
+    if experts:
+        writer.add_expert_count(experts)
         writer.add_expert_used_count(cfg["num_experts_per_tok"])
         writer.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
-    writer.add_rope_freq_base(cfg["rope_theta"])
+    rope = cfg.get("rope_parameters") or {}  # transformers 5 writes the theta there
+    writer.add_rope_freq_base(cfg.get("rope_theta") or rope.get("rope_theta", 10000.0))
     writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    writer.add_file_type(FILE_TYPES[outtype])
     add_vocabulary(writer, model_dir, cfg["vocab_size"], gen)
-    experts: dict[tuple[str, str], dict[int, np.ndarray]] = {}  # (layer, projection) -> expert -> matrix
+    by_layer: dict[tuple[str, str], dict[int, np.ndarray]] = {}  # (layer, projection) -> expert -> matrix
     for path in sorted(model_dir.glob("*.safetensors")):
         for name, tensor in load_file(path).items():
-            array = tensor.float().numpy()  # llama.cpp keeps norms and biases in F32, matrices in F16
+            array = tensor.float().numpy()  # llama.cpp keeps norms and biases in F32
+            if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+                heads = cfg["num_attention_heads"] if "q_proj" in name else cfg["num_key_value_heads"]
+                array = permute_rotary(array, heads)
             if ".mlp.experts." in name:  # model.layers.{i}.mlp.experts.{e}.{proj}.weight
                 _, _, layer, _, _, expert, proj, _ = name.split(".")
-                experts.setdefault((layer, proj), {})[int(expert)] = array.astype(np.float16)
+                by_layer.setdefault((layer, proj), {})[int(expert)] = array
                 continue
-            writer.add_tensor(gguf_name(name), array if array.ndim == 1 else array.astype(np.float16))
-    for (layer, proj), by_expert in sorted(experts.items()):
-        writer.add_tensor(f"blk.{layer}.{EXPERT_NAMES[proj]}", np.stack([by_expert[e] for e in sorted(by_expert)]))
+            if array.ndim == 1:
+                writer.add_tensor(gguf_name(name), array)
+            else:
+                data, qtype = (encode and encode(name, array)) or matrix(array, outtype)
+                writer.add_tensor(gguf_name(name), data, raw_dtype=qtype)
+    for (layer, proj), by_expert in sorted(by_layer.items()):
+        data, qtype = matrix(np.stack([by_expert[e] for e in sorted(by_expert)]), outtype)
+        writer.add_tensor(f"blk.{layer}.{EXPERT_NAMES[proj]}", data, raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -116,8 +153,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, required=True)
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--outtype", default="f16", choices=sorted(OUTTYPES))
     args = parser.parse_args()
-    export(args.model, args.out)
+    export(args.model, args.out, args.outtype)
     print(f"wrote {args.out} ({args.out.stat().st_size / 2**20:.0f} MiB)")
 
 

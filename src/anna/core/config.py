@@ -97,8 +97,11 @@ class ServeSettings:
     max_model_len: int | None = _setting(0, "Longest sequence (prompt + output); 0 = the model's max_position_embeddings.")
     weight_load_pipeline_workers: int | None = _setting(
         2, "Background threads that pre-read the next checkpoint shards while the current one is copied.")
-    quantization: str | None = _setting("none", "Weight-only quantization applied at load time.",
-                                        choices=("none", "int8", "int4"))
+    quantization: str | None = _setting(
+        "auto", "Weight-only quantization: auto = the checkpoint's own (a GGUF's or a GPTQ/AWQ/compressed-tensors "
+                "checkpoint's int4/int8 in Anna's formats, repacked where exact; FP8 and float checkpoints: none); "
+                "none = floats (a quantized checkpoint is dequantized); int8/int4 = quantized at load time.",
+        choices=("auto", "none", "int8", "int4"))
     int4_group_size: int | None = _setting(32, "int4: input columns that share one scale.", choices=(32, 64, 128))
     int4_matmul: str | None = _setting(
         "auto", "int4 execution: packed (kernel reads int4), dequant (unpack + dense GEMM), auto (by M).",

@@ -20,6 +20,7 @@ from anna.model.config import ModelConfig
 from anna.model.layers import RMSNorm
 from anna.model.linear import Linear, QuantLinear, check_shape, make_linear
 from anna.model.ops import TORCH_OPS, ModelOps
+from anna.model.quantization import dense
 from anna.model.registry import ARCHITECTURES
 
 if TYPE_CHECKING:
@@ -161,4 +162,5 @@ def _load_linear(module: Linear | QuantLinear, kind: str, shard: int, tensor: to
 def _copy_into(param: torch.Tensor, offset: float, tensor: torch.Tensor, name: str, where: str) -> None:
     """param = tensor (+ offset, in fp32: a zero-centred norm's weight is stored as 1 + w)."""
     check_shape(name, where, tuple(param.shape), tuple(tensor.shape))
+    tensor = dense(tensor)
     param.data.copy_(tensor.float() + offset if offset else tensor)

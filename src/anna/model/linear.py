@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from anna.model.ops import TORCH_OPS, ModelOps
-from anna.model.quantization import INT4_BLOCK, quantize_int4, quantize_int8, unpack_int4
+from anna.model.quantization import INT4_BLOCK, PackedInt4, dense, quantize_int4, quantize_int8, unpack_int4
 
 
 PACK_ROWS, PACK_COLS = 4, 8  # cpu_kernels.c's block: 4 rows, columns in chunks of 8 values
@@ -110,7 +110,7 @@ class Linear(nn.Module):
         param = self.weight if kind == "weight" else self.bias
         dest = param.data[self.shard_slice(shard)]
         check_shape(name, where, tuple(dest.shape), tuple(tensor.shape))
-        dest.copy_(tensor)
+        dest.copy_(dense(tensor))
 
     def interleave_for_cpu_kernel(self, converted: bool = False) -> None:
         """Store the weight in the layout Anna's CPU kernel reads (once, after loading; ``converted``:
@@ -191,6 +191,11 @@ class QuantLinear(nn.Module):
             self.bias.data[rows].copy_(tensor)
             return
         check_shape(name, where, (rows.stop - rows.start, self.in_features), tuple(tensor.shape))
+        if isinstance(tensor, PackedInt4) and self.kind == 1 and tensor.group == self.group:
+            self.qweight[rows].copy_(tensor.packed)  # already Anna's format: no float round trip
+            self.scales[rows].copy_(tensor.scales)
+            return
+        tensor = dense(tensor)
         if self.kind == 0:
             q, scale = quantize_int8(tensor)
         else:

@@ -10,6 +10,8 @@ one mask.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 INT4_BLOCK = 32  # weights per 16-byte packed run
@@ -56,3 +58,30 @@ def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, group: int) -> to
     q = unpack_int4(packed).float() - 8.0
     n, k = q.shape
     return (q.view(n, k // group, group) * scale.float()[:, :, None]).view(n, k)
+
+
+@dataclass(frozen=True)
+class PackedInt4:
+    """An int4 weight that a checkpoint already stores in Anna's format (a GGUF's Q4_0, a
+    symmetric GPTQ's groups): packed [N, K/2] as ``pack_int4`` writes it and fp16 scales
+    [N, K/group]. A QuantLinear of the same group size takes it as it is; anything else loads
+    ``dequantize()``."""
+
+    packed: torch.Tensor
+    scales: torch.Tensor
+    group: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.packed.shape[0], self.packed.shape[1] * 2
+
+    def dequantize(self) -> torch.Tensor:
+        return dequantize_int4(self.packed, self.scales, self.group)
+
+    def rows(self, index: torch.Tensor | slice) -> "PackedInt4":
+        return PackedInt4(self.packed[index], self.scales[index], self.group)
+
+
+def dense(tensor: "torch.Tensor | PackedInt4") -> torch.Tensor:
+    """A checkpoint tensor as float values, whatever form it came in."""
+    return tensor.dequantize() if isinstance(tensor, PackedInt4) else tensor

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,7 +39,9 @@ from anna.runtime.state_cache import StateCacheManager
 from anna.runtime.structured_output import StructuredOutputCompiler
 from anna.weights.chat_template import load_chat_template, template_reasoning_format, template_tool_format
 from anna.weights.demo_model import DEMO_NOTICE, ensure_demo_model
+from anna.weights.gguf_checkpoint import GGUF_TYPES_KEY, find_gguf, prepare_gguf_model, quant_choice
 from anna.weights.loader import Int4CacheOptions, load_model
+from anna.weights.prequantized import checkpoint_quantization
 from anna.weights.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -79,7 +82,12 @@ def build_engine_parts(s: ResolvedSettings, show_progress: bool = True, recalibr
     model_dir = str(ensure_demo_model(m.cache_dir)) if is_demo else m.model
     if is_demo:
         log.warning("No model given: using %s (%s)", model_dir, DEMO_NOTICE)
+    gguf_file = None if is_demo else find_gguf(model_dir)
+    if gguf_file is not None:  # its metadata as a model directory in the cache
+        model_dir = str(prepare_gguf_model(gguf_file, m.cache_dir, need_tokenizer=not m.tokenizer))
     cfg = load_model_config(model_dir)
+    s = _resolve_quantization(s, cfg, model_dir)
+    m = s.sections.model
     spec_config = load_speculative_config(sch.speculative_config)
     if spec_config is not None and spec_config.method == "mtp":
         if not cfg.mtp_num_hidden_layers:
@@ -204,6 +212,24 @@ def _apply_calibration(s: ResolvedSettings, ops: ModelOps, calibration: Any) -> 
             if name in ROUTING_FIELDS:
                 routing[ROUTING_FIELDS[name]] = value
     ops.routing = dataclasses.replace(ops.routing, **routing)
+    return s
+
+
+def _resolve_quantization(s: ResolvedSettings, cfg: ModelConfig, model_dir: str) -> ResolvedSettings:
+    """quantization ``auto``: the checkpoint's own format (and its int4 group, unless one was set)."""
+    quant = checkpoint_quantization(cfg.raw, f"{model_dir}/config.json")  # refuses what Anna cannot run
+    if s.quantization != "auto":
+        return s
+    if GGUF_TYPES_KEY in cfg.raw:
+        choice = quant_choice(Counter(cfg.raw[GGUF_TYPES_KEY]))
+        method, group, why = choice.method, choice.group, choice.why
+    elif quant is not None:
+        method, group, why = quant.auto_format()
+    else:
+        method, group, why = "none", s.int4_group_size, "a float checkpoint"
+    s = s.with_value("quantization", method, f"{s.sources['quantization']}: auto, {why}")
+    if method == "int4" and s.sources["int4_group_size"] == "default" and group != s.int4_group_size:
+        s = s.with_value("int4_group_size", group, "the checkpoint's")
     return s
 
 

@@ -1,7 +1,9 @@
-"""Load a safetensors checkpoint into a model, shard by shard, with a pre-read pipeline.
+"""Load a checkpoint into a model, shard by shard, with a pre-read pipeline.
 
 While the main thread copies one shard into the model (converting dtype, moving to the device),
 ``weight_load_pipeline_workers`` background threads already read the next shards from disk.
+A pre-quantized checkpoint's layers pass through its converter (weights/prequantized.py); a
+GGUF model directory (weights/gguf_checkpoint.py) is read tensor by tensor from its one file.
 Pickle-based checkpoints (.bin/.pt) are never opened: unpickling runs arbitrary code.
 """
 
@@ -24,6 +26,8 @@ from anna.model.ops import ModelOps
 from anna.model.registry import model_class
 from anna.platforms import Platform
 from anna.weights import int4_cache as int4_cache_mod
+from anna.weights.gguf_checkpoint import LINK_NAME, GGUFTensors, describe_conversion
+from anna.weights.prequantized import CheckpointConverter, checkpoint_quantization
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +35,9 @@ PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
 
 
 def checkpoint_files(model_dir: Path) -> list[Path]:
-    """The safetensors shards of a model directory, in load order."""
+    """The safetensors shards of a model directory, in load order (a GGUF model directory: its file)."""
+    if (model_dir / LINK_NAME).exists():
+        return [model_dir / LINK_NAME]
     index = model_dir / "model.safetensors.index.json"
     if index.exists():
         try:
@@ -56,6 +62,38 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
             f"{model_dir}: only pickle checkpoints found ({', '.join(pickles)}). Anna loads safetensors only, "
             "because unpickling can run arbitrary code; convert the checkpoint to safetensors first")
     raise ModelLoadError(f"{model_dir}: no model.safetensors or model-*-of-*.safetensors found")
+
+
+def _load_safetensors(model: torch.nn.Module, files: list[Path], cfg: ModelConfig, pipeline_workers: int,
+                      show_progress: bool) -> tuple[set[str], list[str]]:
+    """Every shard into the model (the next ones read meanwhile); the names loaded and log lines."""
+    quant = checkpoint_quantization(cfg.raw, str(files[0].parent / "config.json"))
+    converter = CheckpointConverter(quant) if quant is not None else None
+    loaded: set[str] = set()
+    workers = max(1, pipeline_workers)
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="anna-weights") as pool:
+        pending: dict[int, Future] = {}
+        bar = tqdm(total=len(files), desc="Loading shards", unit="shard", disable=not show_progress)
+        for i in range(len(files)):
+            for j in range(i, min(len(files), i + workers + 1)):  # keep the next shards reading
+                if j not in pending:
+                    pending[j] = pool.submit(_read_shard, files[j])
+            tensors = pending.pop(i).result()
+            items = converter.convert(tensors.items()) if converter is not None else tensors.items()
+            loaded |= model.load_weights(items, str(files[i]))
+            del tensors, items
+            bar.update(1)
+        bar.close()
+    return loaded, converter.finish(str(files[0].parent)) if converter is not None else []
+
+
+def _load_gguf(model: torch.nn.Module, path: Path, cfg: ModelConfig, ops: ModelOps) -> tuple[set[str], list[str]]:
+    tensors = GGUFTensors(path.resolve(), cfg.raw)
+    loaded = model.load_weights(tensors, str(path.resolve()))
+    notes = describe_conversion(tensors.types, ops.quant.method, ops.quant.int4_group_size)
+    if tensors.skipped:
+        notes.append(f"GGUF tensors not loaded: {', '.join(tensors.skipped)}")
+    return loaded, notes
 
 
 def _read_shard(path: Path) -> dict[str, torch.Tensor]:
@@ -99,25 +137,15 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, *, dtype: torch.dtype, p
             platform.place_weights(model, huge_pages)
             return model
     needed = set(model.checkpoint_targets())
-    loaded: set[str] = set()
-    workers = max(1, pipeline_workers)
-    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="anna-weights") as pool:
-        pending: dict[int, Future] = {}
-        bar = tqdm(total=len(files), desc="Loading shards", unit="shard", disable=not show_progress)
-        for i in range(len(files)):
-            for j in range(i, min(len(files), i + workers + 1)):  # keep the next shards reading
-                if j not in pending:
-                    pending[j] = pool.submit(_read_shard, files[j])
-            tensors = pending.pop(i).result()
-            loaded |= model.load_weights(tensors.items(), str(files[i]))
-            del tensors
-            bar.update(1)
-        bar.close()
+    if files[0].name == LINK_NAME:
+        loaded, notes = _load_gguf(model, files[0], cfg, ops)
+    else:
+        loaded, notes = _load_safetensors(model, files, cfg, pipeline_workers, show_progress)
     missing = sorted(needed - loaded)
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise ModelLoadError(f"{model_dir}: checkpoint is missing tensors: {shown}")
-    for line in model.skipped_parts():
+    for line in [*notes, *model.skipped_parts()]:
         log.info("%s", line)
     elapsed = time.perf_counter() - start
     tensors = {id(t): t for t in [*model.parameters(), *model.buffers(recurse=True)]}.values()

@@ -1,0 +1,407 @@
+"""Serve a GGUF file (llama.cpp's format): its metadata becomes a Hugging Face-shaped model
+directory, its tensors load under Hugging Face names.
+
+``prepare_gguf_model`` writes config.json, generation_config.json and (for byte-level BPE
+vocabularies) tokenizer.json and tokenizer_config.json, built from the file's metadata, into
+``{cache_dir}/gguf/<key>/`` beside a link to the file, so that everything downstream (config,
+tokenizer, chat template, loader, int4 layout cache) reads it as any other model directory. The
+key covers the file's path, size and modification time and this module's format version.
+
+Tensors (``GGUFTensors``): F32/F16/BF16 load as they are; Q4_0 (an fp16 scale and 32 signed
+4-bit values per block, low nibble = value i, high nibble = value i + 16) is Anna's int4 at
+group 32 byte for byte, so it becomes a ``PackedInt4`` that an int4 layer takes without a float
+round trip; every other type (Q8_0, the K-quants, ...) is dequantized by the ``gguf`` package and
+quantized again by the layer into the format Anna serves (``quant_choice`` picks it from the
+file's types and the log says which tensors took which way). llama.cpp stores a Llama model's
+q/k rows permuted for its rotary; they are put back in Hugging Face's order.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+
+from anna.model.config import ModelLoadError
+from anna.model.quantization import PackedInt4
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1  # of the derived directory: bump when what is written there changes
+LINK_NAME = "model.gguf"
+GGUF_TYPES_KEY = "gguf_matrix_types"  # in the derived config.json: elements per tensor type
+
+# general.architecture -> (Hugging Face architecture, model_type)
+ARCHITECTURES = {
+    "llama": ("LlamaForCausalLM", "llama"),
+    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+    "qwen2moe": ("Qwen2MoeForCausalLM", "qwen2_moe"),
+    "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
+}
+TOP_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+LAYER_TENSORS = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj", "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj", "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj", "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+}
+EXPERT_TENSORS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+
+# tokenizer.ggml.pre -> the split before byte-level BPE (None: GPT-2's, built into ByteLevel)
+PRE_TOKENIZERS = {
+    "default": None, "gpt2": None,
+    "qwen2": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+             r"|\s+(?!\S)|\s+",
+    "llama-bpe": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                 r"|\s*[\r\n]+|\s+(?!\S)|\s+",
+}
+IGNORE_MERGES = {"llama-bpe"}  # whole words in the vocabulary skip the merges (as llama.cpp does for Llama 3)
+TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED = 3, 4, 5  # tokenizer.ggml.token_type values
+
+
+def _gguf():
+    try:
+        import gguf
+    except ImportError:  # a dependency of Anna; only missing from a broken install
+        raise ModelLoadError("reading GGUF files needs the gguf package (pip install gguf)") from None
+    return gguf
+
+
+def find_gguf(path: str | Path) -> Path | None:
+    """The GGUF file that ``path`` names: the file itself, or the one .gguf in a directory
+    without safetensors (None when ``path`` is not a GGUF model)."""
+    path = Path(path)
+    if path.is_file():
+        return path if path.suffix == ".gguf" else None
+    if not path.is_dir() or any(path.glob("*.safetensors")):
+        return None
+    files = sorted(path.glob("*.gguf"))
+    if len(files) > 1:
+        raise ModelLoadError(f"{path}: holds {len(files)} GGUF files ({', '.join(f.name for f in files)}); "
+                             "name the one to serve")
+    return files[0] if files else None
+
+
+def _field(reader: Any, key: str, default: Any = None) -> Any:
+    f = reader.get_field(key)
+    return default if f is None else f.contents()
+
+
+def open_reader(path: Path) -> Any:
+    try:
+        reader = _gguf().GGUFReader(str(path), "r")
+    except (ValueError, OSError) as exc:
+        raise ModelLoadError(f"{path}: not a readable GGUF file ({exc})") from None
+    if int(_field(reader, "split.count", 1) or 1) > 1:
+        raise ModelLoadError(f"{path}: one part of a split GGUF; join the parts first (llama-gguf-split --merge)")
+    return reader
+
+
+def _architecture(reader: Any, path: Path) -> str:
+    arch = _field(reader, "general.architecture")
+    if arch not in ARCHITECTURES:
+        raise ModelLoadError(f"{path}: GGUF architecture {arch!r} is not served; Anna serves GGUF files of "
+                             f"{', '.join(sorted(ARCHITECTURES))}")
+    return arch
+
+
+def _type_name(t: Any) -> str:
+    return t.name if hasattr(t, "name") else str(t)
+
+
+# ---- which format Anna serves a GGUF in ----
+
+INT4_SOURCES = {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "IQ4_NL", "IQ4_XS", "IQ3_S",
+                "IQ3_XXS", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_S", "IQ1_M", "TQ1_0", "TQ2_0", "MXFP4"}
+INT8_SOURCES = {"Q8_0", "Q6_K"}
+FLOAT_SOURCES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+
+
+@dataclass(frozen=True)
+class QuantChoice:
+    method: str  # none | int8 | int4: what quantization=auto means for this file
+    group: int
+    why: str
+
+
+def quant_choice(types: Counter) -> QuantChoice:
+    """From the element count of each type among the matrices: 4-bit-or-less types -> int4 at
+    group 32 (Q4_0's own), 8- and 6-bit ones -> int8, float -> none."""
+    classes: Counter = Counter()
+    for name, count in types.items():
+        classes[_method_of(name)] += count
+    method = classes.most_common(1)[0][0] if classes else "none"
+    main = max((t for t in types if _method_of(t) == method), key=lambda t: types[t], default="F16")
+    return QuantChoice(method, 32, f"the GGUF's matrices are mostly {main}")
+
+
+def _method_of(type_name: str) -> str:
+    return "int4" if type_name in INT4_SOURCES else "int8" if type_name in INT8_SOURCES else "none"
+
+
+def describe_conversion(types: Counter, method: str, group: int) -> list[str]:
+    """One line per tensor type: how its tensors reach the format Anna serves."""
+    lines = []
+    for name, count in sorted(types.items()):
+        if name == "Q4_0" and method == "int4" and group == 32:
+            how = "repacked into Anna's int4 (group 32) as they are"
+        elif name in FLOAT_SOURCES or method == "none":
+            how = "loaded as floats" if name in FLOAT_SOURCES else "dequantized at load to floats"
+        else:
+            how = f"dequantized at load and quantized again to Anna's {method}" + (
+                f" (group {group})" if method == "int4" else " (one scale per row)")
+        lines.append(f"GGUF {name}: {count} tensor(s) {how}")
+    return lines
+
+
+def matrix_types(reader: Any) -> Counter:
+    """Elements per tensor type among the file's matrices (the embedding excluded: it is a lookup)."""
+    types: Counter = Counter()
+    for t in reader.tensors:
+        if len(t.shape) >= 2 and not t.name.startswith("token_embd"):
+            types[_type_name(t.tensor_type)] += int(t.n_elements)
+    return types
+
+
+# ---- the derived model directory ----
+
+def prepare_gguf_model(path: Path, cache_dir: str | Path, need_tokenizer: bool = True) -> Path:
+    """A model directory for the GGUF file ``path`` (written once per file version). Without
+    ``need_tokenizer`` (a --tokenizer directory is given) a vocabulary Anna cannot rebuild is no error."""
+    path = path.resolve()
+    st = path.stat()
+    key = hashlib.sha256(json.dumps([FORMAT_VERSION, str(path), st.st_size, st.st_mtime_ns]).encode()).hexdigest()[:20]
+    out = Path(cache_dir).expanduser() / "gguf" / key
+    if (out / "config.json").exists() and (need_tokenizer is False or (out / "tokenizer.json").exists()):
+        return out
+    reader = open_reader(path)
+    arch = _architecture(reader, path)
+    out.mkdir(parents=True, exist_ok=True)
+    config, generation = hf_config(reader, arch, path)
+    try:
+        tokenizer_json, tokenizer_config = gguf_tokenizer(reader, path)
+    except ModelLoadError:
+        if need_tokenizer:
+            raise
+        tokenizer_json, tokenizer_config = None, {}
+    files = {"config.json": json.dumps(config, indent=1), "generation_config.json": json.dumps(generation, indent=1)}
+    if tokenizer_json is not None:
+        files["tokenizer.json"] = tokenizer_json
+        files["tokenizer_config.json"] = json.dumps(tokenizer_config, indent=1)
+    for name, text in files.items():
+        tmp = out / f".{name}.tmp"
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, out / name)  # each file appears whole
+    link = out / LINK_NAME
+    if link.is_symlink() or link.exists():
+        link.unlink()
+    link.symlink_to(path)
+    log.info("GGUF %s (%s): model directory %s", path.name, arch, out)
+    return out
+
+
+def hf_config(reader: Any, arch: str, path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """config.json and generation_config.json for the file, from its metadata."""
+    def meta(key: str, default: Any = None) -> Any:
+        return _field(reader, f"{arch}.{key}", default)
+
+    def need(key: str) -> Any:
+        value = meta(key)
+        if value is None:
+            raise ModelLoadError(f"{path}: GGUF metadata {arch}.{key} is missing")
+        return value
+
+    names = {t.name for t in reader.tensors}
+    embd = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+    if embd is None:
+        raise ModelLoadError(f"{path}: GGUF has no token_embd.weight tensor")
+    hidden, heads = int(need("embedding_length")), int(need("attention.head_count"))
+    hf_arch, model_type = ARCHITECTURES[arch]
+    floats = Counter(_type_name(t.tensor_type) for t in reader.tensors
+                     if len(t.shape) >= 2 and _type_name(t.tensor_type) in FLOAT_SOURCES)
+    config: dict[str, Any] = {
+        "architectures": [hf_arch], "model_type": model_type, "vocab_size": int(embd.shape[1]),
+        "hidden_size": hidden, "intermediate_size": int(meta("feed_forward_length", 0) or 0),
+        "num_hidden_layers": int(need("block_count")), "num_attention_heads": heads,
+        "num_key_value_heads": int(meta("attention.head_count_kv", heads)),
+        "head_dim": int(meta("attention.key_length", hidden // heads)),
+        "rms_norm_eps": float(meta("attention.layer_norm_rms_epsilon", 1e-6)),
+        "max_position_embeddings": int(meta("context_length", 2048)),
+        "rope_theta": float(meta("rope.freq_base", 10000.0)),
+        "tie_word_embeddings": "output.weight" not in names, "use_sliding_window": False,
+        # matrices left in floats keep their type; a quantized file's leftovers (norms) take bf16
+        "torch_dtype": FLOAT_SOURCES[floats.most_common(1)[0][0]] if floats else "bfloat16",
+        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
+        GGUF_TYPES_KEY: dict(matrix_types(reader)),  # what quantization=auto is chosen from
+    }
+    if meta("expert_count"):
+        config.update(num_experts=int(meta("expert_count")), num_experts_per_tok=int(need("expert_used_count")),
+                      moe_intermediate_size=int(need("expert_feed_forward_length")), decoder_sparse_step=1,
+                      norm_topk_prob=arch == "qwen3moe",
+                      shared_expert_intermediate_size=int(meta("expert_shared_feed_forward_length", 0) or 0))
+        config["intermediate_size"] = config["intermediate_size"] or config["moe_intermediate_size"]
+    scaling = meta("rope.scaling.type")
+    if scaling in ("linear", "yarn"):
+        config["rope_scaling"] = {"rope_type": scaling, "factor": float(need("rope.scaling.factor")),
+                                  **({"original_max_position_embeddings": int(meta("rope.scaling.original_context_length"))}
+                                     if meta("rope.scaling.original_context_length") else {})}
+    elif scaling not in (None, "none"):
+        raise ModelLoadError(f"{path}: GGUF rope scaling {scaling!r} is not supported (linear and yarn are)")
+    if "rope_freqs.weight" in names:
+        config["rope_scaling"] = _llama3_rope_scaling(reader, config, path)
+    eos = [i for i in (_field(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")) if i is not None]
+    generation = {"eos_token_id": list(dict.fromkeys(eos)), "bos_token_id": config["bos_token_id"]}
+    return config, generation
+
+
+def _llama3_rope_scaling(reader: Any, config: dict[str, Any], path: Path) -> dict[str, Any]:
+    """llama.cpp stores Llama 3.1's rotary scaling as per-frequency factors (rope_freqs.weight),
+    not as its parameters. Those are Meta's (low 1, high 4, 8,192 original positions; the factor
+    the largest of them) in every release: accept the file when they reproduce its factors."""
+    factors = next(t for t in reader.tensors if t.name == "rope_freqs.weight").data.astype(np.float64)
+    params = {"rope_type": "llama3", "factor": float(factors.max()), "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+              "original_max_position_embeddings": 8192}
+    dim, base = config["head_dim"], config["rope_theta"]
+    freqs = 1.0 / base ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
+    wavelen = 2 * np.pi / freqs
+    low_wl, high_wl = 8192 / params["low_freq_factor"], 8192 / params["high_freq_factor"]
+    smooth = (8192 / wavelen - params["low_freq_factor"]) / (params["high_freq_factor"] - params["low_freq_factor"])
+    expected = np.where(wavelen < high_wl, 1.0, np.where(wavelen > low_wl, params["factor"],
+                                                         1.0 / ((1 - smooth) / params["factor"] + smooth)))
+    if factors.shape != expected.shape or not np.allclose(factors, expected, rtol=1e-4):
+        raise ModelLoadError(f"{path}: rope_freqs.weight holds rotary factors that are not Llama 3's scaling")
+    return params
+
+
+def gguf_tokenizer(reader: Any, path: Path) -> tuple[str, dict[str, Any]]:
+    """tokenizer.json text and tokenizer_config.json from a byte-level BPE vocabulary
+    (tokenizer.ggml.model "gpt2": Qwen, Llama 3 and most recent models)."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+
+    model = _field(reader, "tokenizer.ggml.model")
+    pre = _field(reader, "tokenizer.ggml.pre", "default") or "default"
+    if model != "gpt2":
+        raise ModelLoadError(f"{path}: GGUF vocabulary type {model!r} cannot be rebuilt by Anna (byte-level BPE, "
+                             "'gpt2', can); pass the original model's tokenizer directory with --tokenizer")
+    if pre not in PRE_TOKENIZERS:
+        raise ModelLoadError(f"{path}: GGUF pre-tokenizer {pre!r} is not known to Anna (known: "
+                             f"{', '.join(sorted(PRE_TOKENIZERS))}); pass the original tokenizer with --tokenizer")
+    tokens = _field(reader, "tokenizer.ggml.tokens")
+    types = _field(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
+    merges = [tuple(m.split(" ", 1)) for m in _field(reader, "tokenizer.ggml.merges", [])]
+    # every token in the model's vocabulary (as Hugging Face's Qwen and Llama 3 files hold them), so
+    # that the added tokens below keep their ids wherever they sit
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=pre in IGNORE_MERGES))
+    pattern = PRE_TOKENIZERS[pre]
+    if pattern is None:
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    else:
+        tok.normalizer = normalizers.NFC()
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    added = [(i, AddedToken(tokens[i], special=types[i] == TOKEN_CONTROL, normalized=False))
+             for i in range(len(tokens)) if types[i] in (TOKEN_CONTROL, TOKEN_USER_DEFINED)]
+    for i, added_token in added:
+        tok.add_special_tokens([added_token]) if added_token.special else tok.add_tokens([added_token])
+        if tok.token_to_id(tokens[i]) != i:
+            raise ModelLoadError(f"{path}: GGUF vocabulary: token {i} ({tokens[i]!r}) does not keep its id when "
+                                 "rebuilt; pass the original tokenizer with --tokenizer")
+
+    def text(key: str) -> str | None:
+        i = _field(reader, f"tokenizer.ggml.{key}_token_id")
+        return tokens[i] if i is not None and 0 <= i < len(tokens) else None
+
+    bos = text("bos")
+    if _field(reader, "tokenizer.ggml.add_bos_token", False) and bos is not None:
+        tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
+                                                           special_tokens=[(bos, tokens.index(bos))])
+    config = {"bos_token": bos, "eos_token": text("eos"), "pad_token": text("padding"),
+              "chat_template": _field(reader, "tokenizer.chat_template")}
+    return tok.to_str(), {k: v for k, v in config.items() if v is not None}
+
+
+# ---- tensors ----
+
+class GGUFTensors:
+    """The file's tensors under Hugging Face names, as ``CausalLM.load_weights`` takes them."""
+
+    def __init__(self, path: Path, config: dict[str, Any]) -> None:
+        self.path = path
+        self.reader = open_reader(path)
+        self.arch = _architecture(self.reader, path)
+        self.config = config
+        self.types: Counter = Counter(_type_name(t.tensor_type) for t in self.reader.tensors)
+        self.skipped: list[str] = []
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor | PackedInt4]]:
+        for t in self.reader.tensors:
+            base, _, kind = t.name.rpartition(".")
+            parts = base.split(".")
+            if parts[0] == "blk" and len(parts) == 3 and parts[2] in EXPERT_TENSORS:
+                for e, value in enumerate(self._experts(t)):
+                    yield f"model.layers.{parts[1]}.mlp.experts.{e}.{EXPERT_TENSORS[parts[2]]}.{kind}", value
+                continue
+            if parts[0] == "blk" and len(parts) == 3 and parts[2] in LAYER_TENSORS:
+                name = f"model.layers.{parts[1]}.{LAYER_TENSORS[parts[2]]}.{kind}"
+            elif base in TOP_TENSORS:
+                name = f"{TOP_TENSORS[base]}.{kind}"
+            else:  # rope_freqs (read into the config), and what no served architecture has
+                self.skipped.append(t.name)
+                continue
+            value = self._tensor(t)
+            if self.arch == "llama" and parts[-1] in ("attn_q", "attn_k"):
+                value = _unpermute_rotary(value, self.config["num_attention_heads"] if parts[-1] == "attn_q"
+                                          else self.config["num_key_value_heads"])
+            if parts[-1] == "ffn_gate_inp_shexp":  # [hidden] in GGUF, one output row in the model
+                value = value.reshape(1, -1)
+            yield name, value
+
+    def _tensor(self, t: Any) -> torch.Tensor | PackedInt4:
+        return _convert(t.data, _type_name(t.tensor_type), self.path, t.name)
+
+    def _experts(self, t: Any) -> Iterator[torch.Tensor | PackedInt4]:
+        for e in range(t.data.shape[0]):  # [experts, rows, ...]: one matrix each
+            yield _convert(t.data[e], _type_name(t.tensor_type), self.path, t.name)
+
+
+def _convert(data: np.ndarray, qtype: str, path: Path, name: str) -> torch.Tensor | PackedInt4:
+    """One tensor's data (as the gguf reader maps it) -> a tensor, or Q4_0 as Anna's packed int4."""
+    if qtype in ("F32", "F16"):
+        return torch.from_numpy(np.array(data))
+    if qtype == "BF16":
+        raw = np.array(data)
+        return torch.from_numpy(raw).view(torch.bfloat16).reshape(*raw.shape[:-1], raw.shape[-1] // 2)
+    if qtype == "Q4_0":
+        blocks = torch.from_numpy(np.array(data)).view(*data.shape[:-1], -1, 18)  # 2 scale bytes + 16 of nibbles
+        rows = int(np.prod(data.shape[:-1]))
+        scales = blocks[..., :2].contiguous().view(torch.float16).reshape(rows, -1)
+        return PackedInt4(blocks[..., 2:].reshape(rows, -1).contiguous(), scales, 32)
+    gguf = _gguf()
+    try:
+        values = gguf.quants.dequantize(np.array(data), gguf.GGMLQuantizationType[qtype])
+    except (NotImplementedError, KeyError) as exc:
+        raise ModelLoadError(f"{path}: tensor {name} has GGUF type {qtype}, which Anna cannot read ({exc})") from None
+    return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
+
+
+def _unpermute_rotary(value: torch.Tensor | PackedInt4, heads: int) -> torch.Tensor | PackedInt4:
+    """llama.cpp's converter orders each Llama head's q/k rows as pairs (i, i + d/2) interleaved;
+    Hugging Face's rotate-half order has the two halves apart. Rows only: quantized rows move whole."""
+    n = value.shape[0]
+    order = torch.arange(n).view(heads, n // heads // 2, 2).transpose(1, 2).reshape(-1)
+    return value.rows(order) if isinstance(value, PackedInt4) else value[order]
