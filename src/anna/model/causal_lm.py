@@ -49,7 +49,8 @@ class CausalLM(nn.Module):
         self.family = ARCHITECTURES[cfg.architecture].family
         self.activation_dtype = activation_dtype or dtype
         self.norm = self.final_norm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
-        self.lm_head = make_linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, ops=ops)
+        self.lm_head = make_linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, ops=ops,
+                                   method=ops.quant.lm_head_method)
         self.lm_head.profile_name = "lm_head"
         if cfg.tie_word_embeddings and isinstance(self.lm_head, QuantLinear):
             # The quantized lm_head is the only copy: lookups dequantize the rows they need.

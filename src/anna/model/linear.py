@@ -150,12 +150,12 @@ class QuantLinear(nn.Module):
     """
 
     def __init__(self, in_features: int, out_features: int | list[int], *, bias: bool, dtype: torch.dtype,
-                 ops: ModelOps) -> None:
+                 ops: ModelOps, method: str = "") -> None:
         super().__init__()
         self.shard_sizes = list(out_features) if isinstance(out_features, list) else [out_features]
         self.in_features = in_features
         self.out_features = n = sum(self.shard_sizes)
-        self.kind = 0 if ops.quant.method == "int8" else 1
+        self.kind = 0 if (method or ops.quant.method) == "int8" else 1
         self.group = ops.quant.int4_group_size if self.kind == 1 else 0
         if self.kind == 1 and in_features % self.group:
             raise ValueError(f"int4_group_size: {self.group} does not divide the input size {in_features}")
@@ -216,6 +216,9 @@ class QuantLinear(nn.Module):
 
 
 def make_linear(in_features: int, out_features: int | list[int], *, bias: bool, dtype: torch.dtype,
-                ops: ModelOps = TORCH_OPS) -> Linear | QuantLinear:
-    cls = QuantLinear if ops.quant.method != "none" else Linear
-    return cls(in_features, out_features, bias=bias, dtype=dtype, ops=ops)
+                ops: ModelOps = TORCH_OPS, method: str = "") -> Linear | QuantLinear:
+    """``method``: this layer's own quantization ("": the ops' for every layer)."""
+    method = method or ops.quant.method
+    if method == "none":
+        return Linear(in_features, out_features, bias=bias, dtype=dtype, ops=ops)
+    return QuantLinear(in_features, out_features, bias=bias, dtype=dtype, ops=ops, method=method)

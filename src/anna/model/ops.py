@@ -30,6 +30,9 @@ class QuantFormat:
 
     method: str = "none"  # none | int8 | int4
     int4_group_size: int = 32
+    # the lm_head's own method where the checkpoint decides it ("": the same as the layers'): a
+    # GPTQ/AWQ checkpoint keeps it in floats, a GGUF file often in more bits than its layers
+    lm_head_method: str = ""
 
 
 @dataclass(frozen=True)

@@ -39,7 +39,7 @@ from anna.runtime.state_cache import StateCacheManager
 from anna.runtime.structured_output import StructuredOutputCompiler
 from anna.weights.chat_template import load_chat_template, template_reasoning_format, template_tool_format
 from anna.weights.demo_model import DEMO_NOTICE, ensure_demo_model
-from anna.weights.gguf_checkpoint import GGUF_TYPES_KEY, find_gguf, prepare_gguf_model, quant_choice
+from anna.weights.gguf_checkpoint import GGUF_TYPES_KEY, find_gguf, lm_head_method, prepare_gguf_model, quant_choice
 from anna.weights.loader import Int4CacheOptions, load_model
 from anna.weights.prequantized import checkpoint_quantization
 from anna.weights.tokenizer import Tokenizer
@@ -86,7 +86,7 @@ def build_engine_parts(s: ResolvedSettings, show_progress: bool = True, recalibr
     if gguf_file is not None:  # its metadata as a model directory in the cache
         model_dir = str(prepare_gguf_model(gguf_file, m.cache_dir, need_tokenizer=not m.tokenizer))
     cfg = load_model_config(model_dir)
-    s = _resolve_quantization(s, cfg, model_dir)
+    s, lm_head_quantization = _resolve_quantization(s, cfg, model_dir)
     m = s.sections.model
     spec_config = load_speculative_config(sch.speculative_config)
     if spec_config is not None and spec_config.method == "mtp":
@@ -108,7 +108,7 @@ def build_engine_parts(s: ResolvedSettings, show_progress: bool = True, recalibr
     s = _resolve_output_parsers(s, tokenizer.chat_template)
     sampling_defaults = _sampling_defaults(m.generation_config, model_dir)
     profiler = RuntimeProfiler(platform) if ex.profile_runtime else None
-    ops = platform.build_ops(cpu, QuantFormat(m.quantization, m.int4_group_size), profiler, m.cache_dir, dtype)
+    ops = platform.build_ops(cpu, QuantFormat(m.quantization, m.int4_group_size, lm_head_quantization), profiler, m.cache_dir, dtype)
     model = load_model(model_dir, cfg, dtype=dtype, platform=platform, ops=ops,
                        max_positions=max(max_model_len, cfg.max_position_embeddings),
                        pipeline_workers=m.weight_load_pipeline_workers, activation_dtype=act_dtype,
@@ -215,22 +215,30 @@ def _apply_calibration(s: ResolvedSettings, ops: ModelOps, calibration: Any) -> 
     return s
 
 
-def _resolve_quantization(s: ResolvedSettings, cfg: ModelConfig, model_dir: str) -> ResolvedSettings:
-    """quantization ``auto``: the checkpoint's own format (and its int4 group, unless one was set)."""
+def _resolve_quantization(s: ResolvedSettings, cfg: ModelConfig, model_dir: str) -> tuple[ResolvedSettings, str]:
+    """quantization ``auto``: the checkpoint's own format (and its int4 group, unless one was set);
+    also the lm_head's method where the checkpoint gives it one of its own ("": the layers')."""
     quant = checkpoint_quantization(cfg.raw, f"{model_dir}/config.json")  # refuses what Anna cannot run
     if s.quantization != "auto":
-        return s
+        return s, ""
+    lm_head = ""
     if GGUF_TYPES_KEY in cfg.raw:
         choice = quant_choice(Counter(cfg.raw[GGUF_TYPES_KEY]))
         method, group, why = choice.method, choice.group, choice.why
+        lm_head = lm_head_method(cfg.raw)
     elif quant is not None:
         method, group, why = quant.auto_format()
+        lm_head = method if quant.quantizes_lm_head else "none"
     else:
         method, group, why = "none", s.int4_group_size, "a float checkpoint"
+    if lm_head and lm_head != method:
+        why += f"; lm_head {lm_head}, as the checkpoint keeps it"
+    else:
+        lm_head = ""
     s = s.with_value("quantization", method, f"{s.sources['quantization']}: auto, {why}")
     if method == "int4" and s.sources["int4_group_size"] == "default" and group != s.int4_group_size:
         s = s.with_value("int4_group_size", group, "the checkpoint's")
-    return s
+    return s, lm_head
 
 
 def _resolve_output_parsers(s: ResolvedSettings, template: str | None) -> ResolvedSettings:

@@ -35,9 +35,10 @@ from anna.model.quantization import PackedInt4
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1  # of the derived directory: bump when what is written there changes
+FORMAT_VERSION = 2  # of the derived directory: bump when what is written there changes
 LINK_NAME = "model.gguf"
 GGUF_TYPES_KEY = "gguf_matrix_types"  # in the derived config.json: elements per tensor type
+GGUF_LM_HEAD_KEY = "gguf_lm_head_type"  # and the type of the lm_head (the embedding's where tied)
 
 # general.architecture -> (Hugging Face architecture, model_type)
 ARCHITECTURES = {
@@ -146,6 +147,12 @@ def quant_choice(types: Counter) -> QuantChoice:
     return QuantChoice(method, 32, f"the GGUF's matrices are mostly {main}")
 
 
+def lm_head_method(config: dict[str, Any]) -> str:
+    """The lm_head's method, from the type the file stores it in (llama-quantize keeps it in 6 or
+    8 bits where the layers have 4)."""
+    return _method_of(config.get(GGUF_LM_HEAD_KEY, "F16"))
+
+
 def _method_of(type_name: str) -> str:
     return "int4" if type_name in INT4_SOURCES else "int8" if type_name in INT8_SOURCES else "none"
 
@@ -245,6 +252,8 @@ def hf_config(reader: Any, arch: str, path: Path) -> tuple[dict[str, Any], dict[
         "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
         "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
         GGUF_TYPES_KEY: dict(matrix_types(reader)),  # what quantization=auto is chosen from
+        GGUF_LM_HEAD_KEY: _type_name(next(t for t in reader.tensors if t.name == (
+            "output.weight" if "output.weight" in names else "token_embd.weight")).tensor_type),
     }
     if meta("expert_count"):
         config.update(num_experts=int(meta("expert_count")), num_experts_per_tok=int(need("expert_used_count")),

@@ -128,7 +128,10 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, *, dtype: torch.dtype, p
     if ops.quant.method == "int4" and cache.enabled:
         root = int4_cache_mod.cache_root(model_dir, cache.directory, cache.user_cache_dir)
         entry = root / int4_cache_mod.cache_key(files, ops.quant.int4_group_size, platform.capability(),
-                                                platform.kernel_layout(ops), ("mtp",) if cfg.load_mtp else ())
+                                                platform.kernel_layout(ops),
+                                                (*(("mtp",) if cfg.load_mtp else ()),
+                                                 *((f"lm_head:{ops.quant.lm_head_method}",)
+                                                   if ops.quant.lm_head_method else ())))
         state = int4_cache_mod.load_entry(entry, cache.load_workers)
         if state is not None:
             model.load_state_dict(state, strict=True)

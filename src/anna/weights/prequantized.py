@@ -44,6 +44,7 @@ class CheckpointQuantization:
     zeros_offset: int = 0  # GPTQ v1 stores zero - 1
     layout: str = ""  # gptq | awq | packed (compressed-tensors) | fp8
     label: str = ""  # as the log names it
+    quantizes_lm_head: bool = False  # GPTQ's lm_head=true; otherwise the checkpoint keeps it in floats
 
     def auto_format(self) -> tuple[str, int, str]:
         """(quantization, int4_group_size, why) for quantization=auto: int4 at the checkpoint's
@@ -53,8 +54,8 @@ class CheckpointQuantization:
                                "stores them in int8: half the bytes, a second rounding)"
         if self.bits == 8:
             return "int8", 32, f"{self.label}: 8-bit weights as Anna's int8"
-        group = self.group if self.group in INT4_GROUP_SIZES else 32
         exact = self.symmetric and not self.act_order and self.group in INT4_GROUP_SIZES
+        group = self.group if exact else 32  # a second rounding: in the finest groups
         how = "repacked as they are" if exact else "dequantized and quantized again (" + (
             "zero points" if not self.symmetric else "act-order" if self.act_order else f"group {self.group}") + \
             " have no exact form in Anna's int4)"
@@ -82,7 +83,7 @@ def checkpoint_quantization(raw: dict[str, Any], where: str) -> CheckpointQuanti
         v2 = str(qc.get("checkpoint_format", "gptq")).lower() == "gptq_v2"
         return CheckpointQuantization("gptq", bits, max(group, 0), bool(qc.get("sym", True)),
                                       bool(qc.get("desc_act", False)), 0 if v2 else 1, "gptq",
-                                      f"GPTQ {bits}-bit group {group}")
+                                      f"GPTQ {bits}-bit group {group}", bool(qc.get("lm_head", False)))
     if method == "awq":
         version = str(qc.get("version", "gemm")).lower()
         if version != "gemm" or int(qc.get("bits", qc.get("w_bit", 4))) != 4:
