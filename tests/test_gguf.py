@@ -113,18 +113,21 @@ def test_q4_0_experts_and_qk_norms_load_exactly(hf_models, gguf_files, cache_dir
     assert rel(logits, hf_logits(model, PROMPT + tokens[:-1])) < 1e-3
 
 
-def test_q8_0_is_served_as_int8(hf_models, gguf_files, cache_dir, caplog):
+def test_q8_0_is_anna_int8_in_groups_of_32(hf_models, gguf_files, cache_dir, caplog):
     with caplog.at_level(logging.INFO):
         engine = gguf_engine(gguf_files["qwen2", "q8_0"], cache_dir)
-    assert engine.settings.quantization == "int8"
-    assert any("Q8_0" in r.message and "quantized again to Anna's int8" in r.message for r in caplog.records)
+    assert (engine.settings.quantization, engine.settings.int8_group_size) == ("int8", 32)
+    assert any("Q8_0" in r.message and "as they are" in r.message for r in caplog.records)
     ref = transformers_from_gguf(gguf_files["qwen2", "q8_0"])
-    # a scale per row instead of per 32 values: the file's values quantized once more
     down = engine.runner.model.layers[0].mlp.down_proj
-    file_values = dict(ref.named_parameters())["model.layers.0.mlp.down_proj.weight"]
-    assert torch.equal(down.dequantized(), dequantize_int8(*quantize_int8(file_values)))
+    assert torch.equal(down.dequantized(), dict(ref.named_parameters())["model.layers.0.mlp.down_proj.weight"])
     logits, tokens = run_logits(engine, PROMPT, 4)
-    assert rel(logits, hf_logits(ref, PROMPT + tokens[:-1])) < 0.05
+    assert rel(logits, hf_logits(ref, PROMPT + tokens[:-1])) < 0.02
+    # with a scale per row (int8_group_size 0) the file's values are quantized once more
+    per_row = gguf_engine(gguf_files["qwen2", "q8_0"], cache_dir, int8_group_size=0)
+    file_values = dict(ref.named_parameters())["model.layers.0.mlp.down_proj.weight"]
+    assert torch.equal(per_row.runner.model.layers[0].mlp.down_proj.dequantized(),
+                       dequantize_int8(*quantize_int8(file_values)))
 
 
 def test_an_explicit_quantization_overrides_the_files(gguf_files, hf_models, cache_dir):

@@ -230,10 +230,14 @@ def test_zero_points_and_act_order_are_dequantized(name, fmt, base, cache_dir, t
     assert rel(logits, hf_logits(ref, seq)) < 1.5 * first
 
 
-def test_8_bit_gptq_is_served_as_int8(base, cache_dir, tmp_path):
-    path, ref = make(base, tmp_path, gptq(32, bits=8))
+def test_8_bit_gptq_is_anna_int8_in_its_groups(base, cache_dir, tmp_path):
+    path, ref = make(base, tmp_path, gptq(64, bits=8))
     engine = load(path, cache_dir)
-    assert engine.settings.quantization == "int8"
+    assert (engine.settings.quantization, engine.settings.int8_group_size) == ("int8", 64)
+    down = engine.runner.model.layers[0].mlp.down_proj
+    assert torch.equal(down.dequantized(), dict(ref.named_parameters())["model.layers.0.mlp.down_proj.weight"])
+    logits, tokens = run_logits(engine, PROMPT, 3)
+    assert rel(logits, hf_logits(ref, PROMPT + tokens[:-1])) < 0.02
     floats = load(path, cache_dir, quantization="none")
     logits, tokens = run_logits(floats, PROMPT, 3)
     assert rel(logits, hf_logits(ref, PROMPT + tokens[:-1])) < 1e-5

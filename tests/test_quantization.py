@@ -47,12 +47,17 @@ def test_int8_quantization_error_is_bounded():
     w = torch.randn(48, 256)
     q, scale = quantize_int8(w)
     assert ((dequantize_int8(q, scale) - w).abs() <= scale[:, None] / 2 + 1e-6).all()
+    q, scale = quantize_int8(w, 32)  # a scale per 32 columns
+    assert scale.shape == (48, 8) and scale.dtype == torch.float16
+    err = (dequantize_int8(q, scale, 32) - w).abs().view(48, 8, 32)
+    assert (err <= scale.float()[:, :, None] / 2 + 1e-6).all()
 
 
 def make_layer(kind: str, group: int, kernels, strategy: str, out_features=(70, 37), k=256) -> QuantLinear:
     """A loaded layer, still row-major. 107 rows: for int8, 26 blocks of 4 and 3 tail rows; for
     int4, 6 pairs of blocks of 8, one odd block and 3 tail rows: every path of the kernels."""
-    ops = CpuKernelOps(kernels, QuantFormat(kind, group), LinearRouting(int4_matmul=strategy, int4_gemv_m_threshold=4))
+    quant = QuantFormat(kind, group, int8_group_size=group) if kind == "int8" else QuantFormat(kind, group)
+    ops = CpuKernelOps(kernels, quant, LinearRouting(int4_matmul=strategy, int4_gemv_m_threshold=4))
     layer = QuantLinear(k, list(out_features), bias=True, dtype=torch.float32, ops=ops)
     g = torch.Generator().manual_seed(1)
     for shard, n in enumerate(out_features):
@@ -61,12 +66,14 @@ def make_layer(kind: str, group: int, kernels, strategy: str, out_features=(70, 
     return layer
 
 
-@pytest.mark.parametrize("kind, group", [("int8", 0), ("int4", 32), ("int4", 64), ("int4", 128)])
+# int8: one scale per row (group 0) or per group (a GGUF's Q8_0: 32)
+@pytest.mark.parametrize("kind, group", [("int8", 0), ("int8", 32), ("int8", 128), ("int4", 32), ("int4", 64),
+                                         ("int4", 128)])
 @pytest.mark.parametrize("strategy", ["packed", "dequant", "auto", "no_kernels"])
 def test_every_strategy_matches_the_dequantized_reference(kind, group, strategy, kernels):
-    layer = make_layer(kind, group or 32, None if strategy == "no_kernels" else kernels,
+    layer = make_layer(kind, group, None if strategy == "no_kernels" else kernels,
                        "auto" if strategy == "no_kernels" else strategy)
-    ref_w = (dequantize_int8(layer.qweight, layer.scales) if kind == "int8"
+    ref_w = (dequantize_int8(layer.qweight, layer.scales, group) if kind == "int8"
              else dequantize_int4(layer.qweight, layer.scales, group))
     layer.interleave_for_cpu_kernel()
     assert layer.interleaved == (strategy != "no_kernels")
@@ -90,14 +97,16 @@ def int8_blocks(x: torch.Tensor) -> torch.Tensor:
     return (torch.round(runs * (1.0 / scale)) * scale).view_as(x)
 
 
-@pytest.mark.parametrize("kind, group", [("int8", 0), ("int4", 32), ("int4", 64), ("int4", 128)])
+# int8: one scale per row (group 0) or per group (a GGUF's Q8_0: 32)
+@pytest.mark.parametrize("kind, group", [("int8", 0), ("int8", 32), ("int8", 128), ("int4", 32), ("int4", 64),
+                                         ("int4", 128)])
 # 107 rows; one block of 8 + 3; only a tail; more rows than one slice of int4_row_lanes (8,192)
 @pytest.mark.parametrize("out_features", [(70, 37), (9, 2), (3,), (8200, 11)])
 def test_packed_kernel_is_exact_given_its_int8_x(kind, group, out_features, kernels):
     """With x rounded to int8 the same way, the packed kernel's integer arithmetic is exact: only
     fp32 rounding remains. Tight enough to catch any misplaced weight, scale or offset."""
-    layer = make_layer(kind, group or 32, kernels, "packed", out_features)
-    ref_w = (dequantize_int8(layer.qweight, layer.scales) if kind == "int8"
+    layer = make_layer(kind, group, kernels, "packed", out_features)
+    ref_w = (dequantize_int8(layer.qweight, layer.scales, group) if kind == "int8"
              else dequantize_int4(layer.qweight, layer.scales, group)).double()
     layer.interleave_for_cpu_kernel()
     for m in [1, 2, 3, 4, 5, 7, 9, 16, 37, 128] + ([130] if kind == "int4" else []):
@@ -138,7 +147,7 @@ def test_packed_kernel_rows_do_not_depend_on_the_thread_count(kind, kernels):
     with no rows of their own (8 threads for 7 units) and the int4 odd block and tail rows."""
     threads = torch.get_num_threads()
     for out_features in [(70, 37), (8200, 11)]:
-        layer = make_layer(kind, 32, kernels, "packed", out_features)
+        layer = make_layer(kind, 0 if kind == "int8" else 32, kernels, "packed", out_features)
         layer.interleave_for_cpu_kernel()
         x = torch.randn(16, 256)
         try:
@@ -294,13 +303,13 @@ def test_int4_cache_can_be_disabled(hf_models, cache_dir, tmp_path, caplog):
     assert not hit and not (path / ".anna").exists()
 
 
-@pytest.mark.parametrize("kind, group", [("int8", 0), ("int4", 32), ("int4", 128)])
+@pytest.mark.parametrize("kind, group", [("int8", 0), ("int8", 32), ("int4", 32), ("int4", 128)])
 def test_the_vnni_build_gives_the_avx2_builds_bits(kind, group, cache_dir):
     """vpdpbusd sums the same integer products exactly as AVX2's maddubs does (the int4 int16 sums
     wrap and end exact), so the two builds' packed matmuls agree to the bit at every M the
     routing can send them (1..130), with odd blocks and tail rows."""
     builds = [kernels_at_level(level, cache_dir) for level in ("avx2", "avx512_vnni")]
-    layers = [make_layer(kind, group or 32, k, "packed", (70, 37)) for k in builds]
+    layers = [make_layer(kind, group, k, "packed", (70, 37)) for k in builds]
     for layer in layers:
         layer.interleave_for_cpu_kernel()
     assert torch.equal(layers[0].qweight, layers[1].qweight)
@@ -310,11 +319,11 @@ def test_the_vnni_build_gives_the_avx2_builds_bits(kind, group, cache_dir):
         assert torch.equal(layers[0](x), layers[1](x)), m
 
 
-@pytest.mark.parametrize("kind, group", [("int8", 0), ("int4", 32), ("int4", 128)])
+@pytest.mark.parametrize("kind, group", [("int8", 0), ("int8", 32), ("int4", 32), ("int4", 128)])
 def test_dequantizing_to_bf16_rounds_the_fp32_values(kind, group, kernels):
     """The bf16 operand of a dequantized bf16 GEMM is the fp32 dequantization rounded to nearest
     even, for every row: in blocks, the int4 odd block and the tail."""
-    layer = make_layer(kind, group or 32, kernels, "dequant", (70, 37))
+    layer = make_layer(kind, group, kernels, "dequant", (70, 37))
     layer.interleave_for_cpu_kernel()
     args = (layer.qweight, layer.scales, layer.kind, layer.group, layer.in_features)
     fp32 = kernels.dequant(*args).clone()

@@ -103,6 +103,9 @@ class ServeSettings:
                 "none = floats (a quantized checkpoint is dequantized); int8/int4 = quantized at load time.",
         choices=("auto", "none", "int8", "int4"))
     int4_group_size: int | None = _setting(32, "int4: input columns that share one scale.", choices=(32, 64, 128))
+    int8_group_size: int | None = _setting(
+        0, "int8: input columns that share one scale; 0 = one scale per row (a GGUF's Q8_0: 32).",
+        choices=(0, 32, 64, 128))
     int4_matmul: str | None = _setting(
         "auto", "int4 execution: packed (kernel reads int4), dequant (unpack + dense GEMM), auto (by M).",
         choices=("auto", "packed", "dequant"), aliases=("xpu_int4_matmul",))
@@ -288,7 +291,7 @@ class ServeSettings:
 # Which component takes which settings: each is handed its section whole (ResolvedSettings.sections).
 SECTION_FIELDS: dict[str, tuple[str, ...]] = {
     "model": ("model", "served_model_name", "tokenizer", "chat_template", "dtype", "seed", "generation_config",
-              "cache_dir", "max_model_len", "weight_load_pipeline_workers", "quantization", "int4_group_size",
+              "cache_dir", "max_model_len", "weight_load_pipeline_workers", "quantization", "int4_group_size", "int8_group_size",
               "int4_cache_dir", "int4_cache_load_workers", "disable_int4_cache", "structured_output_cache_size",
               "structured_output_max_bytes"),
     "cache": ("block_size", "kv_cache_memory", "kv_cache_dtype", "num_gpu_blocks_override", "enable_prefix_caching",

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from anna.model.ops import TORCH_OPS, ModelOps
-from anna.model.quantization import INT4_BLOCK, PackedInt4, dense, quantize_int4, quantize_int8, unpack_int4
+from anna.model.quantization import INT4_BLOCK, PackedWeight, dense, quantize_int4, quantize_int8, unpack_int4
 
 
 PACK_ROWS, PACK_COLS = 4, 8  # cpu_kernels.c's block: 4 rows, columns in chunks of 8 values
@@ -155,15 +155,17 @@ class QuantLinear(nn.Module):
         self.shard_sizes = list(out_features) if isinstance(out_features, list) else [out_features]
         self.in_features = in_features
         self.out_features = n = sum(self.shard_sizes)
-        self.kind = 0 if (method or ops.quant.method) == "int8" else 1
-        self.group = ops.quant.int4_group_size if self.kind == 1 else 0
-        if self.kind == 1 and in_features % self.group:
-            raise ValueError(f"int4_group_size: {self.group} does not divide the input size {in_features}")
+        self.method = method or ops.quant.method
+        self.kind = 0 if self.method == "int8" else 1
+        self.group = ops.quant.int4_group_size if self.kind == 1 else ops.quant.int8_group_size  # int8: 0 = per row
+        if self.group and in_features % self.group:
+            raise ValueError(f"{self.method}_group_size: {self.group} does not divide the input size {in_features}")
         if in_features % INT4_BLOCK:
             raise ValueError(f"quantization: input size {in_features} is not a multiple of {INT4_BLOCK}")
         if self.kind == 0:
             self.register_buffer("qweight", torch.zeros(n, in_features, dtype=torch.int8))
-            self.register_buffer("scales", torch.zeros(n, dtype=torch.float32))
+            self.register_buffer("scales", torch.zeros(n, dtype=torch.float32) if not self.group else
+                                 torch.zeros(n, in_features // self.group, dtype=torch.float16))
         else:
             self.register_buffer("qweight", torch.zeros(n, in_features // 2, dtype=torch.uint8))
             self.register_buffer("scales", torch.zeros(n, in_features // self.group, dtype=torch.float16))
@@ -191,13 +193,13 @@ class QuantLinear(nn.Module):
             self.bias.data[rows].copy_(tensor)
             return
         check_shape(name, where, (rows.stop - rows.start, self.in_features), tuple(tensor.shape))
-        if isinstance(tensor, PackedInt4) and self.kind == 1 and tensor.group == self.group:
-            self.qweight[rows].copy_(tensor.packed)  # already Anna's format: no float round trip
+        if isinstance(tensor, PackedWeight) and (tensor.method, tensor.group) == (self.method, self.group):
+            self.qweight[rows].copy_(tensor.values)  # already Anna's format: no float round trip
             self.scales[rows].copy_(tensor.scales)
             return
         tensor = dense(tensor)
         if self.kind == 0:
-            q, scale = quantize_int8(tensor)
+            q, scale = quantize_int8(tensor, self.group)
         else:
             q, scale = quantize_int4(tensor, self.group)
         self.qweight[rows].copy_(q)

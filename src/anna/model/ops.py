@@ -33,6 +33,7 @@ class QuantFormat:
     # the lm_head's own method where the checkpoint decides it ("": the same as the layers'): a
     # GPTQ/AWQ checkpoint keeps it in floats, a GGUF file often in more bits than its layers
     lm_head_method: str = ""
+    int8_group_size: int = 0  # 0: one scale per row
 
 
 @dataclass(frozen=True)
@@ -88,7 +89,7 @@ class ModelOps:
         """Row-major weights of a QuantLinear (of the given rows): fp32, or rounded from it to ``dtype``."""
         q = layer.qweight if rows is None else layer.qweight[rows]
         s = layer.scales if rows is None else layer.scales[rows]
-        w = dequantize_int8(q, s) if layer.kind == 0 else dequantize_int4(q, s, layer.group)
+        w = dequantize_int8(q, s, layer.group) if layer.kind == 0 else dequantize_int4(q, s, layer.group)
         return w.to(dtype)
 
     def quant_linear(self, layer: Any, x: torch.Tensor) -> torch.Tensor:

@@ -108,7 +108,8 @@ def build_engine_parts(s: ResolvedSettings, show_progress: bool = True, recalibr
     s = _resolve_output_parsers(s, tokenizer.chat_template)
     sampling_defaults = _sampling_defaults(m.generation_config, model_dir)
     profiler = RuntimeProfiler(platform) if ex.profile_runtime else None
-    ops = platform.build_ops(cpu, QuantFormat(m.quantization, m.int4_group_size, lm_head_quantization), profiler, m.cache_dir, dtype)
+    quant = QuantFormat(m.quantization, m.int4_group_size, lm_head_quantization, m.int8_group_size)
+    ops = platform.build_ops(cpu, quant, profiler, m.cache_dir, dtype)
     model = load_model(model_dir, cfg, dtype=dtype, platform=platform, ops=ops,
                        max_positions=max(max_model_len, cfg.max_position_embeddings),
                        pipeline_workers=m.weight_load_pipeline_workers, activation_dtype=act_dtype,
@@ -236,8 +237,10 @@ def _resolve_quantization(s: ResolvedSettings, cfg: ModelConfig, model_dir: str)
     else:
         lm_head = ""
     s = s.with_value("quantization", method, f"{s.sources['quantization']}: auto, {why}")
-    if method == "int4" and s.sources["int4_group_size"] == "default" and group != s.int4_group_size:
-        s = s.with_value("int4_group_size", group, "the checkpoint's")
+    for fmt in {method, lm_head} & {"int4", "int8"}:  # the checkpoint's group, unless one was set
+        name = f"{fmt}_group_size"
+        if s.sources[name] == "default" and group != getattr(s, name):
+            s = s.with_value(name, group, "the checkpoint's")
     return s, lm_head
 
 

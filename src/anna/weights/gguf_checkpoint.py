@@ -9,10 +9,11 @@ key covers the file's path, size and modification time and this module's format 
 
 Tensors (``GGUFTensors``): F32/F16/BF16 load as they are; Q4_0 (an fp16 scale and 32 signed
 4-bit values per block, low nibble = value i, high nibble = value i + 16) is Anna's int4 at
-group 32 byte for byte, so it becomes a ``PackedInt4`` that an int4 layer takes without a float
-round trip; every other type (Q8_0, the K-quants, ...) is dequantized by the ``gguf`` package and
-quantized again by the layer into the format Anna serves (``quant_choice`` picks it from the
-file's types and the log says which tensors took which way). llama.cpp stores a Llama model's
+group 32 byte for byte, and Q8_0 (an fp16 scale and 32 int8 values) Anna's int8 at group 32, so
+they become ``PackedWeight``s that a layer of that format takes without a float round trip;
+every other type (the K-quants, ...) is dequantized by the ``gguf`` package and quantized again
+by the layer into the format Anna serves (``quant_choice`` picks it from the file's types and the
+log says which tensors took which way). llama.cpp stores a Llama model's
 q/k rows permuted for its rotary; they are put back in Hugging Face's order.
 """
 
@@ -31,7 +32,7 @@ import numpy as np
 import torch
 
 from anna.model.config import ModelLoadError
-from anna.model.quantization import PackedInt4
+from anna.model.quantization import PackedWeight
 
 log = logging.getLogger(__name__)
 
@@ -129,16 +130,19 @@ INT8_SOURCES = {"Q8_0", "Q6_K"}
 FLOAT_SOURCES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 
 
+EXACT = {"Q4_0": "int4", "Q8_0": "int8"}  # types that are one of Anna's formats at group 32
+
+
 @dataclass(frozen=True)
 class QuantChoice:
     method: str  # none | int8 | int4: what quantization=auto means for this file
-    group: int
+    group: int  # of int4 or int8: 32, Q4_0's and Q8_0's own
     why: str
 
 
 def quant_choice(types: Counter) -> QuantChoice:
     """From the element count of each type among the matrices: 4-bit-or-less types -> int4 at
-    group 32 (Q4_0's own), 8- and 6-bit ones -> int8, float -> none."""
+    group 32 (Q4_0's own), 8- and 6-bit ones -> int8 at group 32 (Q8_0's), float -> none."""
     classes: Counter = Counter()
     for name, count in types.items():
         classes[_method_of(name)] += count
@@ -158,16 +162,17 @@ def _method_of(type_name: str) -> str:
 
 
 def describe_conversion(types: Counter, method: str, group: int) -> list[str]:
-    """One line per tensor type: how its tensors reach the format Anna serves."""
+    """One line per tensor type: how its tensors reach the format Anna serves (``method`` at
+    ``group``; the lm_head may have a format of its own, see ``lm_head_method``)."""
     lines = []
+    where = f"Anna's {method} ({f'group {group}' if group else 'one scale per row'})"
     for name, count in sorted(types.items()):
-        if name == "Q4_0" and method == "int4" and group == 32:
-            how = "repacked into Anna's int4 (group 32) as they are"
+        if EXACT.get(name) == method and group == 32:
+            how = f"repacked into {where} as they are"
         elif name in FLOAT_SOURCES or method == "none":
             how = "loaded as floats" if name in FLOAT_SOURCES else "dequantized at load to floats"
         else:
-            how = f"dequantized at load and quantized again to Anna's {method}" + (
-                f" (group {group})" if method == "int4" else " (one scale per row)")
+            how = f"dequantized at load and quantized again to {where}"
         lines.append(f"GGUF {name}: {count} tensor(s) {how}")
     return lines
 
@@ -357,7 +362,7 @@ class GGUFTensors:
         self.types: Counter = Counter(_type_name(t.tensor_type) for t in self.reader.tensors)
         self.skipped: list[str] = []
 
-    def __iter__(self) -> Iterator[tuple[str, torch.Tensor | PackedInt4]]:
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor | PackedWeight]]:
         for t in self.reader.tensors:
             base, _, kind = t.name.rpartition(".")
             parts = base.split(".")
@@ -380,26 +385,28 @@ class GGUFTensors:
                 value = value.reshape(1, -1)
             yield name, value
 
-    def _tensor(self, t: Any) -> torch.Tensor | PackedInt4:
+    def _tensor(self, t: Any) -> torch.Tensor | PackedWeight:
         return _convert(t.data, _type_name(t.tensor_type), self.path, t.name)
 
-    def _experts(self, t: Any) -> Iterator[torch.Tensor | PackedInt4]:
+    def _experts(self, t: Any) -> Iterator[torch.Tensor | PackedWeight]:
         for e in range(t.data.shape[0]):  # [experts, rows, ...]: one matrix each
             yield _convert(t.data[e], _type_name(t.tensor_type), self.path, t.name)
 
 
-def _convert(data: np.ndarray, qtype: str, path: Path, name: str) -> torch.Tensor | PackedInt4:
+def _convert(data: np.ndarray, qtype: str, path: Path, name: str) -> torch.Tensor | PackedWeight:
     """One tensor's data (as the gguf reader maps it) -> a tensor, or Q4_0 as Anna's packed int4."""
     if qtype in ("F32", "F16"):
         return torch.from_numpy(np.array(data))
     if qtype == "BF16":
         raw = np.array(data)
         return torch.from_numpy(raw).view(torch.bfloat16).reshape(*raw.shape[:-1], raw.shape[-1] // 2)
-    if qtype == "Q4_0":
-        blocks = torch.from_numpy(np.array(data)).view(*data.shape[:-1], -1, 18)  # 2 scale bytes + 16 of nibbles
+    if qtype in EXACT:  # blocks of an fp16 scale and 32 values: 16 bytes of nibbles (Q4_0) or 32 int8 (Q8_0)
+        method = EXACT[qtype]
+        blocks = torch.from_numpy(np.array(data)).view(*data.shape[:-1], -1, 18 if method == "int4" else 34)
         rows = int(np.prod(data.shape[:-1]))
         scales = blocks[..., :2].contiguous().view(torch.float16).reshape(rows, -1)
-        return PackedInt4(blocks[..., 2:].reshape(rows, -1).contiguous(), scales, 32)
+        values = blocks[..., 2:].reshape(rows, -1).contiguous()
+        return PackedWeight(method, values if method == "int4" else values.view(torch.int8), scales, 32)
     gguf = _gguf()
     try:
         values = gguf.quants.dequantize(np.array(data), gguf.GGMLQuantizationType[qtype])
@@ -408,9 +415,9 @@ def _convert(data: np.ndarray, qtype: str, path: Path, name: str) -> torch.Tenso
     return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
 
 
-def _unpermute_rotary(value: torch.Tensor | PackedInt4, heads: int) -> torch.Tensor | PackedInt4:
+def _unpermute_rotary(value: torch.Tensor | PackedWeight, heads: int) -> torch.Tensor | PackedWeight:
     """llama.cpp's converter orders each Llama head's q/k rows as pairs (i, i + d/2) interleaved;
     Hugging Face's rotate-half order has the two halves apart. Rows only: quantized rows move whole."""
     n = value.shape[0]
     order = torch.arange(n).view(heads, n // heads // 2, 2).transpose(1, 2).reshape(-1)
-    return value.rows(order) if isinstance(value, PackedInt4) else value[order]
+    return value.rows(order) if isinstance(value, PackedWeight) else value[order]

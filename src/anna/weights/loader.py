@@ -90,7 +90,11 @@ def _load_safetensors(model: torch.nn.Module, files: list[Path], cfg: ModelConfi
 def _load_gguf(model: torch.nn.Module, path: Path, cfg: ModelConfig, ops: ModelOps) -> tuple[set[str], list[str]]:
     tensors = GGUFTensors(path.resolve(), cfg.raw)
     loaded = model.load_weights(tensors, str(path.resolve()))
-    notes = describe_conversion(tensors.types, ops.quant.method, ops.quant.int4_group_size)
+    q = ops.quant
+    notes = describe_conversion(tensors.types, q.method, q.int4_group_size if q.method == "int4" else q.int8_group_size)
+    if q.lm_head_method:
+        notes.append(f"lm_head: {q.lm_head_method}" + (f" (group {q.int8_group_size})" if q.lm_head_method == "int8"
+                                                        else "") + ", as the file stores it in more bits")
     if tensors.skipped:
         notes.append(f"GGUF tensors not loaded: {', '.join(tensors.skipped)}")
     return loaded, notes
@@ -130,7 +134,7 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, *, dtype: torch.dtype, p
         entry = root / int4_cache_mod.cache_key(files, ops.quant.int4_group_size, platform.capability(),
                                                 platform.kernel_layout(ops),
                                                 (*(("mtp",) if cfg.load_mtp else ()),
-                                                 *((f"lm_head:{ops.quant.lm_head_method}",)
+                                                 *((f"lm_head:{ops.quant.lm_head_method}:{ops.quant.int8_group_size}",)
                                                    if ops.quant.lm_head_method else ())))
         state = int4_cache_mod.load_entry(entry, cache.load_workers)
         if state is not None:

@@ -5,8 +5,8 @@ FP8 (fine-grained block scales or per tensor / channel) and compressed-tensors.
 supported, whatever Anna cannot run, before any tensor is read. ``CheckpointConverter`` then
 sits between the shards and the model: it collects the parts a quantized layer is stored as
 (GPTQ's qweight, qzeros, scales and g_idx; FP8's weight and its scale) and hands the model one
-``.weight`` per layer: a ``PackedInt4`` where the checkpoint's int4 is Anna's exactly (symmetric
-groups of 32, 64 or 128 in input order: stored nibble = value + 8), else the dequantized
+``.weight`` per layer: a ``PackedWeight`` where the checkpoint's int4 or int8 is Anna's exactly
+(symmetric groups of 32, 64 or 128 in input order: stored value = value + 2^(bits-1)), else the dequantized
 weight, which the layer quantizes again into the format served (``quantization``) or keeps in
 floats. Asymmetric groups (AWQ, GPTQ sym=false) and GPTQ's act-order (groups that are not runs
 of input columns) have no exact form in Anna's int4, whose kernels know no zero point: they take
@@ -22,7 +22,7 @@ from typing import Any, Iterable, Iterator
 import torch
 
 from anna.model.config import ModelLoadError
-from anna.model.quantization import INT4_GROUP_SIZES, PackedInt4, pack_int4
+from anna.model.quantization import INT4_GROUP_SIZES, PackedWeight, pack_int4
 
 log = logging.getLogger(__name__)
 
@@ -52,14 +52,13 @@ class CheckpointQuantization:
         if self.method == "fp8":
             return "none", 32, f"{self.label}: FP8 weights dequantized to the serving dtype (--quantization int8 " \
                                "stores them in int8: half the bytes, a second rounding)"
-        if self.bits == 8:
-            return "int8", 32, f"{self.label}: 8-bit weights as Anna's int8"
+        method = "int8" if self.bits == 8 else "int4"
         exact = self.symmetric and not self.act_order and self.group in INT4_GROUP_SIZES
         group = self.group if exact else 32  # a second rounding: in the finest groups
         how = "repacked as they are" if exact else "dequantized and quantized again (" + (
             "zero points" if not self.symmetric else "act-order" if self.act_order else f"group {self.group}") + \
-            " have no exact form in Anna's int4)"
-        return "int4", group, f"{self.label}: int4 group {group}, {how}"
+            f" have no exact form in Anna's {method})"
+        return method, group, f"{self.label}: {method} group {group}, {how}"
 
 
 def checkpoint_quantization(raw: dict[str, Any], where: str) -> CheckpointQuantization | None:
@@ -161,7 +160,7 @@ class CheckpointConverter:
             prefix, parts = next(iter(self.pending.items()))
             raise ModelLoadError(f"{where}: quantized layer {prefix} has {', '.join(sorted(parts))} but not all the "
                                  f"parts {self.quant.label} stores a layer as")
-        lines = [f"{self.quant.label}: {self.exact} layer(s) repacked into Anna's int4 as they are, "
+        lines = [f"{self.quant.label}: {self.exact} layer(s) repacked into Anna's int{self.quant.bits} as they are, "
                  f"{self.dequantized} dequantized at load"]
         if any(k in self.dropped for k in KV_SCALES):
             lines.append("the checkpoint's FP8 KV scales (k_scale, v_scale) are ignored: Anna's fp8/int8 KV cache "
@@ -173,7 +172,7 @@ class CheckpointConverter:
             return "weight" in parts and ("weight_scale" in parts or "weight_scale_inv" in parts)
         return all(p in parts for p in REQUIRED[self.quant.layout])
 
-    def _weight(self, prefix: str, parts: dict[str, torch.Tensor]) -> torch.Tensor | PackedInt4:
+    def _weight(self, prefix: str, parts: dict[str, torch.Tensor]) -> torch.Tensor | PackedWeight:
         layout = self.quant.layout
         try:
             if layout == "fp8":
@@ -190,8 +189,8 @@ class CheckpointConverter:
                                  f"({exc})") from None
         return self._counted(int_weight(q, zeros, scales, g_idx, self.quant.bits))
 
-    def _counted(self, weight: torch.Tensor | PackedInt4) -> torch.Tensor | PackedInt4:
-        if isinstance(weight, PackedInt4):
+    def _counted(self, weight: torch.Tensor | PackedWeight) -> torch.Tensor | PackedWeight:
+        if isinstance(weight, PackedWeight):
             self.exact += 1
         else:
             self.dequantized += 1
@@ -250,15 +249,18 @@ def packed_parts(parts: dict[str, torch.Tensor], bits: int):
 
 
 def int_weight(q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor,
-               bits: int) -> torch.Tensor | PackedInt4:
+               bits: int) -> torch.Tensor | PackedWeight:
     """w[n, k] = (q[n, k] - zeros[n, g]) * scales[n, g] with g = g_idx[k]: Anna's int4 as it is
     when that is exactly its format, else the fp32 weight."""
     n, k = q.shape
     groups = scales.shape[1]
     group = k // groups if k % groups == 0 else 0
     in_order = group > 0 and torch.equal(g_idx, torch.arange(k) // group)
-    if bits == 4 and in_order and group in INT4_GROUP_SIZES and bool((zeros == 8).all()):
-        return PackedInt4(pack_int4(q.to(torch.uint8).contiguous()), scales.to(torch.float16).contiguous(), group)
+    if in_order and group in INT4_GROUP_SIZES and bool((zeros == 1 << (bits - 1)).all()):
+        scales = scales.to(torch.float16).contiguous()
+        if bits == 4:
+            return PackedWeight("int4", pack_int4(q.to(torch.uint8).contiguous()), scales, group)
+        return PackedWeight("int8", (q - 128).to(torch.int8).contiguous(), scales, group)
     return (q.float() - zeros.float()[:, g_idx]) * scales.float()[:, g_idx]
 
 

@@ -1,14 +1,15 @@
 /* Weight-only quantized matmuls for CPU decode: y[M,N] = x[M,K] . dequant(W)[N,K]^T (+ bias).
  *
- * Weights: int8 with one fp32 scale per output row, or int4 with one fp16 scale per group of G
- * input columns (symmetric, stored as q + 8 in a nibble). x is quantized on the fly to int8 in blocks
+ * Weights: int8 with one fp32 scale per output row (G = 0) or one fp16 scale per group of G input
+ * columns (a GGUF's Q8_0: G = 32), or int4 with one fp16 scale per group of G input columns
+ * (symmetric, stored as q + 8 in a nibble). x is quantized on the fly to int8 in blocks
  * of 32 (one fp32 scale per block), so that dot products run on integer units (AVX2 maddubs), as
  * llama.cpp does; K must be a multiple of 32. One call reads each weight row once for all M rows
  * of x (a tile of rows stays in cache meanwhile). linear.py packs the tensors once, after loading.
  *
  * int8 layout ("interleaved rows", as in cpu_kernels.c): rows in blocks of 4; within a block, each
  * 32-weight run of the 4 rows is contiguous (4 x 32 bytes), so a block is one stream, not four
- * short rows. The last N % 4 rows follow row-major.
+ * short rows. The last N % 4 rows follow row-major. Group scales (G > 0) stay row-major, [N][K / G].
  *
  * int4 layout ("row lanes"): rows in blocks of 8, one row per 32-bit lane of a vector. For each
  * run of 32 input columns k0..k0+31, a block holds 4 vectors of 32 bytes; in vector l, byte
@@ -149,19 +150,25 @@ INLINE __m256i unpack_q4_unsigned(const uint8_t *p) {
 /* log2 of the runs of 32 columns per group (G = 32, 64, 128): a shift, not a division per run */
 INLINE int group_shift(long G) { return G >= 128 ? 2 : G == 64 ? 1 : 0; }
 
-/* One row-major row (the tail rows). kind 0: int8 rows (row scale); kind 1: int4 groups of G. */
+/* int8: the scale applied to a row's whole sum: its own (G = 0), else 1 (each run had its group's) */
+INLINE float s8_row_scale(const void *ws, long n, long G) { return G ? 1.0f : ((const float *)ws)[n]; }
+
+/* One row-major row (the tail rows). kind 0: int8 rows (row or group scales); kind 1: int4 groups of G. */
 INLINE float row_dot(int kind, const void *w, const void *ws, long n, long K, long G, const int8_t *xq,
                      const float *xs, const int32_t *xo) {
     long blocks = K / 32;
     __m256 acc = _mm256_setzero_ps();
     if (kind == 0) {
         const int8_t *wr = (const int8_t *)w + n * K;
+        const uint16_t *gs = (const uint16_t *)ws + (G ? n * (K / G) : 0);
+        int gshift = group_shift(G);
         for (long b = 0; b < blocks; b++) {
             __m256i wv = _mm256_loadu_si256((const __m256i *)(wr + b * 32));
             __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + b * 32));
-            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_s8(wv, xv)), _mm256_set1_ps(xs[b]), acc);
+            float sc = G ? xs[b] * _cvtsh_ss(gs[b >> gshift]) : xs[b];
+            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_s8(wv, xv)), _mm256_set1_ps(sc), acc);
         }
-        return hsum(acc) * ((const float *)ws)[n];
+        return hsum(acc) * s8_row_scale(ws, n, G);
     }
     const uint8_t *wr = (const uint8_t *)w + n * (K / 2);
     const uint16_t *gs = (const uint16_t *)ws + n * (K / G);
@@ -178,10 +185,14 @@ INLINE float row_dot(int kind, const void *w, const void *ws, long n, long K, lo
 }
 
 /* int8: one block of 4 packed rows (starting at `blk`) against one row of x: four independent
- * accumulators; `prefetch` asks for the lines PREFETCH_BYTES ahead. */
-INLINE void rows4_dot_s8(const int8_t *blk, const float *ws, long n, long K, const int8_t *xq, const float *xs,
-                         int prefetch, float out[4]) {
-    long blocks = K / 32, step = PACK_ROWS * 32;
+ * accumulators; `prefetch` asks for the lines PREFETCH_BYTES ahead. G > 0: each run is scaled by
+ * its group's scale (constant after inlining into run_s8's two loops, so the row-scale path keeps
+ * its one multiply per run). */
+INLINE void rows4_dot_s8(const int8_t *blk, const void *ws, long n, long K, long G, const int8_t *xq,
+                         const float *xs, int prefetch, float out[4]) {
+    long blocks = K / 32, step = PACK_ROWS * 32, groups = G ? K / G : 0;
+    int gshift = group_shift(G);
+    const uint16_t *gs = (const uint16_t *)ws + n * groups;  /* G > 0: the 4 rows' group scales */
     __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
     for (long b = 0; b < blocks; b++) {
         const int8_t *p = blk + b * step;
@@ -190,22 +201,25 @@ INLINE void rows4_dot_s8(const int8_t *blk, const float *ws, long n, long K, con
             _mm_prefetch((const char *)p + PREFETCH_BYTES + 64, _MM_HINT_T0);
         }
         __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + b * 32));
-        __m256 sc = _mm256_set1_ps(xs[b]);
         for (int r = 0; r < 4; r++) {
             __m256i dot = dot_s8(_mm256_loadu_si256((const __m256i *)(p + r * 32)), xv);
+            __m256 sc = _mm256_set1_ps(G ? xs[b] * _cvtsh_ss(gs[r * groups + (b >> gshift)]) : xs[b]);
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), sc, acc[r]);
         }
     }
-    for (int r = 0; r < 4; r++) out[r] = hsum(acc[r]) * ws[n + r];
+    for (int r = 0; r < 4; r++) out[r] = hsum(acc[r]) * s8_row_scale(ws, n + r, G);
 }
 
 /* int8: rows [b, e) of the packed part (multiples of 4) for all M rows of x. */
-static void run_s8(const int8_t *xq, const float *xs, const int8_t *w, const float *ws, const float *bias, float *y,
-                   long M, long N, long K, long b, long e) {
+static void run_s8(const int8_t *xq, const float *xs, const int8_t *w, const void *ws, const float *bias, float *y,
+                   long M, long N, long K, long G, long b, long e) {
     for (long n = b; n < e; n += PACK_ROWS)
         for (long m = 0; m < M; m++) {
             float out[4];
-            rows4_dot_s8(w + n * K, ws, n, K, xq + m * K, xs + m * (K / 32), m == 0, out);
+            if (G)
+                rows4_dot_s8(w + n * K, ws, n, K, G, xq + m * K, xs + m * (K / 32), m == 0, out);
+            else
+                rows4_dot_s8(w + n * K, ws, n, K, 0, xq + m * K, xs + m * (K / 32), m == 0, out);
             for (int r = 0; r < 4; r++) y[m * N + n + r] = out[r] + (bias ? bias[n + r] : 0.0f);
         }
 }
@@ -372,7 +386,7 @@ static void run_int4(const int8_t *xq, const float *xs, const int32_t *xo, const
  * same N and K. x is quantized once, and the units of all groups form one range that the threads
  * share, so that many small matmuls (a mixture-of-experts layer's experts, a few rows each) keep
  * every thread streaming instead of each paying a parallel region of its own.
- * kind: 0 = int8, 1 = int4. ws: int8 row scales [N] (fp32) or int4 group scales (fp16, layouts above). */
+ * kind: 0 = int8, 1 = int4. ws: int8 row scales [N] (fp32, G = 0), else group scales (fp16, layouts above). */
 static void qgemm_groups(const float *x, const void *const *w, const void *const *ws, const float *const *bias,
                          const int64_t *starts, long groups, int kind, long G, float *y, long N, long K, int threads) {
     long M = starts[groups], blocks = K / 32;
@@ -398,8 +412,8 @@ static void qgemm_groups(const float *x, const void *const *w, const void *const
                 if (u1 > per_group) u1 = per_group;
                 long m0 = starts[g], rows = starts[g + 1] - m0;
                 if (kind == 0)
-                    run_s8(xq + m0 * K, xs + m0 * blocks, (const int8_t *)w[g], (const float *)ws[g], bias[g],
-                           y + m0 * N, rows, N, K, u0 * unit, u1 * unit);
+                    run_s8(xq + m0 * K, xs + m0 * blocks, (const int8_t *)w[g], ws[g], bias[g],
+                           y + m0 * N, rows, N, K, G, u0 * unit, u1 * unit);
                 else
                     run_int4(xq + m0 * K, xs + m0 * blocks, xo + m0 * blocks, (const uint8_t *)w[g],
                              (const uint16_t *)ws[g], bias[g], y + m0 * N, rows, N, K, G, u0, u1, 0);
@@ -459,7 +473,7 @@ void anna_qgemm_experts(const float *x, const int64_t *w, const int64_t *ws, con
 void anna_dequant(const void *w, const void *ws, int kind, long G, const long *rows, long R, long N, long K,
                   void *out, int bf16, int threads) {
     long block_rows = kind == 0 ? PACK_ROWS : LANE_ROWS;
-    long packed = N / block_rows * block_rows, groups = kind == 1 ? K / G : 0;
+    long packed = N / block_rows * block_rows, groups = G ? K / G : 0;
     #pragma omp parallel for num_threads(threads) if (R > 16)
     for (long i = 0; i < R; i++) {
         long n = rows ? rows[i] : i;
@@ -470,7 +484,8 @@ void anna_dequant(const void *w, const void *ws, int kind, long G, const long *r
             if (kind == 0) {
                 long lanes = in_block ? PACK_ROWS : 1;  /* rows interleaved at this row's position */
                 const int8_t *p = (const int8_t *)w + first * K + k * lanes + r * 32;
-                for (int j = 0; j < 32; j++) run[j] = p[j] * ((const float *)ws)[n];
+                float scale = G ? _cvtsh_ss(((const uint16_t *)ws)[n * groups + k / G]) : ((const float *)ws)[n];
+                for (int j = 0; j < 32; j++) run[j] = p[j] * scale;
             } else if (in_block) {
                 const uint8_t *base = (const uint8_t *)w + first * (K / 2);
                 const uint16_t *gs = (const uint16_t *)ws + first * groups;
