@@ -67,7 +67,7 @@ def add_vocabulary(writer: gguf.GGUFWriter, model_dir: Path, vocab_size: int, ge
     writer.add_tokenizer_model("gpt2")
     # GPT-2's split (a plain ByteLevel pre-tokenizer, as the demo tokenizer has) or Qwen2's
     pre = tok.get("pre_tokenizer") or {}
-    writer.add_tokenizer_pre("gpt2" if pre.get("type") == "ByteLevel" and pre.get("use_regex", True) else "qwen2")
+    writer.add_tokenizer_pre("gpt-2" if pre.get("type") == "ByteLevel" and pre.get("use_regex", True) else "qwen2")
     writer.add_token_list(tokens)
     writer.add_token_types(types)
     writer.add_token_merges(merges)

@@ -329,6 +329,51 @@ def test_a_llama_3_rotary_scaling_is_read_from_its_factors(hf_models, cache_dir,
 
 def test_export_writes_what_the_tokenizer_config_says(hf_models, gguf_files):
     reader = gguf.GGUFReader(str(gguf_files["qwen2", "f16"]))
-    assert reader.get_field("tokenizer.ggml.pre").contents() == "gpt2"  # the demo tokenizer splits as GPT-2
+    assert reader.get_field("tokenizer.ggml.pre").contents() == "gpt-2"  # the demo tokenizer splits as GPT-2
     template = json.loads((hf_models["qwen2"][1] / "tokenizer_config.json").read_text())["chat_template"]
     assert reader.get_field("tokenizer.chat_template").contents() == template
+
+
+def llama_cpp_bin() -> Path | None:
+    """llama.cpp's binaries: LLAMA_CPP_BIN (a build's bin folder), else llama-server on PATH."""
+    import os
+    import shutil
+
+    folder = os.environ.get("LLAMA_CPP_BIN")
+    if folder:
+        return Path(folder)
+    found = shutil.which("llama-server")
+    return Path(found).parent if found else None
+
+
+@pytest.mark.skipif(llama_cpp_bin() is None, reason="needs llama.cpp (LLAMA_CPP_BIN=<build>/bin, or llama-server on "
+                                                    "PATH); benchmarks/results/gguf holds the 0.5B-shape run")
+def test_llama_cpp_quantized_q4_0_gives_llama_cpp_tokens(hf_models, cache_dir, tmp_path):
+    """A file exported here and quantized by llama.cpp's own llama-quantize: Anna's greedy tokens
+    are llama.cpp's where the choice is clear; where llama.cpp's first and second choices lie
+    within the two engines' activation rounding of each other, the continuations may part."""
+    import subprocess
+
+    agreement = importlib.util.spec_from_file_location(
+        "gguf_agreement", Path(__file__).resolve().parents[1] / "benchmarks" / "gguf_agreement.py")
+    module = importlib.util.module_from_spec(agreement)
+    agreement.loader.exec_module(module)
+    f16, q4 = tmp_path / "f16.gguf", tmp_path / "q4" / "q4_0.gguf"
+    q4.parent.mkdir()
+    export_gguf.export(hf_models["qwen2"][1], f16, "f16")
+    subprocess.run([str(llama_cpp_bin() / "llama-quantize"), "--pure", str(f16), str(q4), "Q4_0"], check=True,
+                   capture_output=True)
+    prompts = [PROMPT, PROMPT[::-1], [p // 2 + 3 for p in PROMPT]]
+    ours = module.anna_tokens(q4, prompts, 12, str(cache_dir))
+    theirs = module.llama_tokens(str(llama_cpp_bin() / "llama-server"), q4, prompts, 12, 8097)
+    compared = 0
+    for (tokens, mine), (expected, top) in zip(ours, theirs):
+        gap = module.gap(mine, top)
+        if gap is None:  # llama-server sent no probabilities for this answer
+            continue
+        compared += 1
+        assert gap < 0.05  # the same weights: log-probabilities apart by rounding only
+        best = sorted(top.values(), reverse=True)
+        if best[0] - best[1] > 2 * gap:
+            assert tokens[0] == expected[0]
+    assert compared >= 2

@@ -60,15 +60,17 @@ LAYER_TENSORS = {
 }
 EXPERT_TENSORS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 
-# tokenizer.ggml.pre -> the split before byte-level BPE (None: GPT-2's, built into ByteLevel)
+# tokenizer.ggml.pre (llama.cpp's names) -> the split before byte-level BPE (None: GPT-2's, built
+# into ByteLevel). Others, llama.cpp's "default" among them, need the original tokenizer (--tokenizer).
+_LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+           r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 PRE_TOKENIZERS = {
-    "default": None, "gpt2": None,
+    "gpt-2": None,
     "qwen2": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
              r"|\s+(?!\S)|\s+",
-    "llama-bpe": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-                 r"|\s*[\r\n]+|\s+(?!\S)|\s+",
+    "llama-bpe": _LLAMA3, "llama3": _LLAMA3, "llama-v3": _LLAMA3,
 }
-IGNORE_MERGES = {"llama-bpe"}  # whole words in the vocabulary skip the merges (as llama.cpp does for Llama 3)
+IGNORE_MERGES = {"llama-bpe", "llama3", "llama-v3"}  # whole words in the vocabulary skip the merges (llama.cpp's Llama 3)
 TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED = 3, 4, 5  # tokenizer.ggml.token_type values
 
 
@@ -305,7 +307,7 @@ def gguf_tokenizer(reader: Any, path: Path) -> tuple[str, dict[str, Any]]:
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
     model = _field(reader, "tokenizer.ggml.model")
-    pre = _field(reader, "tokenizer.ggml.pre", "default") or "default"
+    pre = _field(reader, "tokenizer.ggml.pre") or "(none)"
     if model != "gpt2":
         raise ModelLoadError(f"{path}: GGUF vocabulary type {model!r} cannot be rebuilt by Anna (byte-level BPE, "
                              "'gpt2', can); pass the original model's tokenizer directory with --tokenizer")
