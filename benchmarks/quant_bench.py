@@ -1,12 +1,15 @@
-"""Decode speed and load time for each weight format: none (bf16), int8, int4.
+"""Decode speed and load time for each weight format: none (bf16), int8, int4, and checkpoints
+that are already quantized (a GGUF file, a GPTQ directory: LABEL=PATH, served as their own format).
 
     python benchmarks/quant_bench.py --model benchmarks/models/qwen2.5-0.5b
+    python benchmarks/quant_bench.py --model benchmarks/models/qwen2.5-0.5b --formats int4,gguf-q4_0=model-q4_0.gguf
 
 Per format: decode tok/s at batch 1 (64-token prompt, 128 new tokens, ignore_eos; median of
 --repeats runs), aggregate
 output tok/s of 16 concurrent requests (prefill included) and of their decode phase (after the
-first step's tokens: llama-batched-bench's S_TG), and load time. For int4 the load is
-timed twice: cold (the int4 layout cache emptied first) and warm (read from the cache).
+first step's tokens: llama-batched-bench's S_TG), and load time. For int4 (and a checkpoint
+served as int4) the load is timed twice: cold (the int4 layout cache emptied first) and warm
+(read from the cache).
 """
 
 from __future__ import annotations
@@ -45,16 +48,20 @@ def main() -> None:
     cache_dir = Path(tempfile.mkdtemp(prefix="anna-int4-cache-"))
     try:
         for fmt in args.formats.split(","):
-            row: dict = {}
-            loads = ["cold", "warm"] if fmt == "int4" else ["cold"]
+            fmt, _, path = fmt.partition("=")  # LABEL=PATH: that checkpoint in its own format
+            model, quantization = (path, "auto") if path else (args.model, fmt)
+            row: dict = {"model": model}
             llm = None
-            for which in loads:
+            for which in ("cold", "warm"):
                 del llm
                 t0 = time.perf_counter()
-                llm = LLM(args.model, dtype="bfloat16", quantization=fmt, max_num_seqs=args.streams,
+                llm = LLM(model, dtype="bfloat16", quantization=quantization, max_num_seqs=args.streams,
                           max_model_len=4096, int4_cache_dir=str(cache_dir), enable_prefix_caching=False)
                 row[f"load_{which}_s"] = round(time.perf_counter() - t0, 2)
+                if llm.llm_engine.settings.quantization != "int4":
+                    break  # nothing cached: a second load times the same work
             engine = llm.llm_engine
+            row["served_as"] = engine.settings.quantization
             anna_run(llm, rand(64), 8, f"{fmt}-warm")
             decodes = [anna_run(llm, rand(64), 128, f"{fmt}-single{i}")[1] for i in range(args.repeats)]
             row["decode_tok_s_batch1"] = round(statistics.median(decodes), 2)

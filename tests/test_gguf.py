@@ -296,6 +296,14 @@ def test_what_anna_cannot_serve_is_refused_by_name(gguf_files, cache_dir, tmp_pa
     split = rewrite(src, tmp_path / "part.gguf", extra={"split.count": (3, gguf.GGUFValueType.UINT16)})
     with pytest.raises(ModelLoadError, match="split GGUF"):
         gguf_engine(split, cache_dir)
+    truncated = tmp_path / "cut.gguf"
+    truncated.write_bytes(src.read_bytes()[: src.stat().st_size // 2])
+    with pytest.raises(ModelLoadError, match="runs past the end of the file"):
+        gguf_engine(truncated, cache_dir)
+    not_gguf = tmp_path / "x.gguf"
+    not_gguf.write_bytes(b"PK\x03\x04" + bytes(64))
+    with pytest.raises(ModelLoadError, match="not a GGUF file"):
+        gguf_engine(not_gguf, cache_dir)
     both = tmp_path / "two"
     both.mkdir()
     for name in ("a.gguf", "b.gguf"):

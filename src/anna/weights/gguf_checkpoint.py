@@ -33,6 +33,7 @@ import torch
 
 from anna.model.config import ModelLoadError
 from anna.model.quantization import PackedWeight
+from anna.weights.gguf_file import GGUFFile
 
 log = logging.getLogger(__name__)
 
@@ -97,31 +98,20 @@ def find_gguf(path: str | Path) -> Path | None:
     return files[0] if files else None
 
 
-def _field(reader: Any, key: str, default: Any = None) -> Any:
-    f = reader.get_field(key)
-    return default if f is None else f.contents()
-
-
-def open_reader(path: Path) -> Any:
-    try:
-        reader = _gguf().GGUFReader(str(path), "r")
-    except (ValueError, OSError) as exc:
-        raise ModelLoadError(f"{path}: not a readable GGUF file ({exc})") from None
-    if int(_field(reader, "split.count", 1) or 1) > 1:
+def open_reader(path: Path) -> GGUFFile:
+    _gguf()
+    reader = GGUFFile(path)
+    if int(reader.field("split.count", 1) or 1) > 1:
         raise ModelLoadError(f"{path}: one part of a split GGUF; join the parts first (llama-gguf-split --merge)")
     return reader
 
 
-def _architecture(reader: Any, path: Path) -> str:
-    arch = _field(reader, "general.architecture")
+def _architecture(reader: GGUFFile, path: Path) -> str:
+    arch = reader.field("general.architecture")
     if arch not in ARCHITECTURES:
         raise ModelLoadError(f"{path}: GGUF architecture {arch!r} is not served; Anna serves GGUF files of "
                              f"{', '.join(sorted(ARCHITECTURES))}")
     return arch
-
-
-def _type_name(t: Any) -> str:
-    return t.name if hasattr(t, "name") else str(t)
 
 
 # ---- which format Anna serves a GGUF in ----
@@ -179,12 +169,12 @@ def describe_conversion(types: Counter, method: str, group: int) -> list[str]:
     return lines
 
 
-def matrix_types(reader: Any) -> Counter:
+def matrix_types(reader: GGUFFile) -> Counter:
     """Elements per tensor type among the file's matrices (the embedding excluded: it is a lookup)."""
     types: Counter = Counter()
     for t in reader.tensors:
         if len(t.shape) >= 2 and not t.name.startswith("token_embd"):
-            types[_type_name(t.tensor_type)] += int(t.n_elements)
+            types[t.type_name] += t.n_elements
     return types
 
 
@@ -225,10 +215,10 @@ def prepare_gguf_model(path: Path, cache_dir: str | Path, need_tokenizer: bool =
     return out
 
 
-def hf_config(reader: Any, arch: str, path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+def hf_config(reader: GGUFFile, arch: str, path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     """config.json and generation_config.json for the file, from its metadata."""
     def meta(key: str, default: Any = None) -> Any:
-        return _field(reader, f"{arch}.{key}", default)
+        return reader.field(f"{arch}.{key}", default)
 
     def need(key: str) -> Any:
         value = meta(key)
@@ -242,8 +232,7 @@ def hf_config(reader: Any, arch: str, path: Path) -> tuple[dict[str, Any], dict[
         raise ModelLoadError(f"{path}: GGUF has no token_embd.weight tensor")
     hidden, heads = int(need("embedding_length")), int(need("attention.head_count"))
     hf_arch, model_type = ARCHITECTURES[arch]
-    floats = Counter(_type_name(t.tensor_type) for t in reader.tensors
-                     if len(t.shape) >= 2 and _type_name(t.tensor_type) in FLOAT_SOURCES)
+    floats = Counter(t.type_name for t in reader.tensors if len(t.shape) >= 2 and t.type_name in FLOAT_SOURCES)
     config: dict[str, Any] = {
         "architectures": [hf_arch], "model_type": model_type, "vocab_size": int(embd.shape[1]),
         "hidden_size": hidden, "intermediate_size": int(meta("feed_forward_length", 0) or 0),
@@ -256,11 +245,11 @@ def hf_config(reader: Any, arch: str, path: Path) -> tuple[dict[str, Any], dict[
         "tie_word_embeddings": "output.weight" not in names, "use_sliding_window": False,
         # matrices left in floats keep their type; a quantized file's leftovers (norms) take bf16
         "torch_dtype": FLOAT_SOURCES[floats.most_common(1)[0][0]] if floats else "bfloat16",
-        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
-        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
+        "bos_token_id": reader.field("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": reader.field("tokenizer.ggml.eos_token_id"),
         GGUF_TYPES_KEY: dict(matrix_types(reader)),  # what quantization=auto is chosen from
-        GGUF_LM_HEAD_KEY: _type_name(next(t for t in reader.tensors if t.name == (
-            "output.weight" if "output.weight" in names else "token_embd.weight")).tensor_type),
+        GGUF_LM_HEAD_KEY: next(t for t in reader.tensors if t.name == (
+            "output.weight" if "output.weight" in names else "token_embd.weight")).type_name,
     }
     if meta("expert_count"):
         config.update(num_experts=int(meta("expert_count")), num_experts_per_tok=int(need("expert_used_count")),
@@ -277,7 +266,7 @@ def hf_config(reader: Any, arch: str, path: Path) -> tuple[dict[str, Any], dict[
         raise ModelLoadError(f"{path}: GGUF rope scaling {scaling!r} is not supported (linear and yarn are)")
     if "rope_freqs.weight" in names:
         config["rope_scaling"] = _llama3_rope_scaling(reader, config, path)
-    eos = [i for i in (_field(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")) if i is not None]
+    eos = [i for i in (reader.field(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")) if i is not None]
     generation = {"eos_token_id": list(dict.fromkeys(eos)), "bos_token_id": config["bos_token_id"]}
     return config, generation
 
@@ -301,22 +290,22 @@ def _llama3_rope_scaling(reader: Any, config: dict[str, Any], path: Path) -> dic
     return params
 
 
-def gguf_tokenizer(reader: Any, path: Path) -> tuple[str, dict[str, Any]]:
+def gguf_tokenizer(reader: GGUFFile, path: Path) -> tuple[str, dict[str, Any]]:
     """tokenizer.json text and tokenizer_config.json from a byte-level BPE vocabulary
     (tokenizer.ggml.model "gpt2": Qwen, Llama 3 and most recent models)."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
-    model = _field(reader, "tokenizer.ggml.model")
-    pre = _field(reader, "tokenizer.ggml.pre") or "(none)"
+    model = reader.field("tokenizer.ggml.model")
+    pre = reader.field("tokenizer.ggml.pre") or "(none)"
     if model != "gpt2":
         raise ModelLoadError(f"{path}: GGUF vocabulary type {model!r} cannot be rebuilt by Anna (byte-level BPE, "
                              "'gpt2', can); pass the original model's tokenizer directory with --tokenizer")
     if pre not in PRE_TOKENIZERS:
         raise ModelLoadError(f"{path}: GGUF pre-tokenizer {pre!r} is not known to Anna (known: "
                              f"{', '.join(sorted(PRE_TOKENIZERS))}); pass the original tokenizer with --tokenizer")
-    tokens = _field(reader, "tokenizer.ggml.tokens")
-    types = _field(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
-    merges = [tuple(m.split(" ", 1)) for m in _field(reader, "tokenizer.ggml.merges", [])]
+    tokens = reader.field("tokenizer.ggml.tokens")
+    types = reader.field("tokenizer.ggml.token_type") or [1] * len(tokens)
+    merges = [tuple(m.split(" ", 1)) for m in reader.field("tokenizer.ggml.merges", [])]
     # every token in the model's vocabulary (as Hugging Face's Qwen and Llama 3 files hold them), so
     # that the added tokens below keep their ids wherever they sit
     vocab = {tok: i for i, tok in enumerate(tokens)}
@@ -339,15 +328,15 @@ def gguf_tokenizer(reader: Any, path: Path) -> tuple[str, dict[str, Any]]:
                                  "rebuilt; pass the original tokenizer with --tokenizer")
 
     def text(key: str) -> str | None:
-        i = _field(reader, f"tokenizer.ggml.{key}_token_id")
+        i = reader.field(f"tokenizer.ggml.{key}_token_id")
         return tokens[i] if i is not None and 0 <= i < len(tokens) else None
 
     bos = text("bos")
-    if _field(reader, "tokenizer.ggml.add_bos_token", False) and bos is not None:
+    if reader.field("tokenizer.ggml.add_bos_token", False) and bos is not None:
         tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
                                                            special_tokens=[(bos, tokens.index(bos))])
     config = {"bos_token": bos, "eos_token": text("eos"), "pad_token": text("padding"),
-              "chat_template": _field(reader, "tokenizer.chat_template")}
+              "chat_template": reader.field("tokenizer.chat_template")}
     return tok.to_str(), {k: v for k, v in config.items() if v is not None}
 
 
@@ -361,7 +350,7 @@ class GGUFTensors:
         self.reader = open_reader(path)
         self.arch = _architecture(self.reader, path)
         self.config = config
-        self.types: Counter = Counter(_type_name(t.tensor_type) for t in self.reader.tensors)
+        self.types: Counter = Counter(t.type_name for t in self.reader.tensors)
         self.skipped: list[str] = []
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor | PackedWeight]]:
@@ -388,11 +377,11 @@ class GGUFTensors:
             yield name, value
 
     def _tensor(self, t: Any) -> torch.Tensor | PackedWeight:
-        return _convert(t.data, _type_name(t.tensor_type), self.path, t.name)
+        return _convert(t.data, t.type_name, self.path, t.name)
 
     def _experts(self, t: Any) -> Iterator[torch.Tensor | PackedWeight]:
         for e in range(t.data.shape[0]):  # [experts, rows, ...]: one matrix each
-            yield _convert(t.data[e], _type_name(t.tensor_type), self.path, t.name)
+            yield _convert(t.data[e], t.type_name, self.path, t.name)
 
 
 def _convert(data: np.ndarray, qtype: str, path: Path, name: str) -> torch.Tensor | PackedWeight:
