@@ -34,7 +34,19 @@ LAYER_NAMES = {
 }
 EXPERT_NAMES = {"gate_proj": "ffn_gate_exps.weight", "up_proj": "ffn_up_exps.weight",
                 "down_proj": "ffn_down_exps.weight"}  # one [experts, rows, cols] tensor each
-ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3moe"}
+ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3moe",
+         "qwen3_5_text": "qwen35", "qwen3_5_moe_text": "qwen35moe"}
+HYBRID_NAMES = {  # Qwen3.5's own tensors, under llama.cpp's names
+    "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "linear_attn.in_proj_qkv.weight": "attn_qkv.weight", "linear_attn.in_proj_z.weight": "attn_gate.weight",
+    "linear_attn.in_proj_b.weight": "ssm_beta.weight", "linear_attn.in_proj_a.weight": "ssm_alpha.weight",
+    "linear_attn.A_log": "ssm_a", "linear_attn.dt_bias": "ssm_dt.bias", "linear_attn.conv1d.weight": "ssm_conv1d.weight",
+    "linear_attn.norm.weight": "ssm_norm.weight", "linear_attn.out_proj.weight": "ssm_out.weight",
+    "mlp.shared_expert.gate_proj.weight": "ffn_gate_shexp.weight", "mlp.shared_expert.up_proj.weight": "ffn_up_shexp.weight",
+    "mlp.shared_expert.down_proj.weight": "ffn_down_shexp.weight", "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",
+}
+HYBRID_ARCHS = ("qwen35", "qwen35moe")
+KEPT_F32 = ("ssm_conv1d.weight", "ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight")  # as llama.cpp's converter keeps them
 OUTTYPES = {"f16": None, "q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationType.Q4_0}
 FILE_TYPES = {"f16": gguf.LlamaFileType.MOSTLY_F16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
               "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0}
@@ -42,11 +54,60 @@ TOP_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weigh
              "lm_head.weight": "output.weight"}
 
 
-def gguf_name(name: str) -> str:
+def gguf_name(name: str, arch: str) -> str:
     if name in TOP_NAMES:
         return TOP_NAMES[name]
     _, _, index, rest = name.split(".", 3)  # model.layers.{i}.{rest}
-    return f"blk.{index}.{LAYER_NAMES[rest]}"
+    hybrid = HYBRID_NAMES.get(rest) if arch in HYBRID_ARCHS else None
+    return f"blk.{index}.{hybrid or LAYER_NAMES[rest]}"
+
+
+def hybrid_metadata(writer: gguf.GGUFWriter, cfg: dict) -> None:
+    """Qwen3.5's Gated DeltaNet shapes and layer types, as llama.cpp's converter writes them."""
+    writer.add_ssm_conv_kernel(cfg["linear_conv_kernel_dim"])
+    writer.add_ssm_state_size(cfg["linear_key_head_dim"])
+    writer.add_ssm_group_count(cfg["linear_num_key_heads"])
+    writer.add_ssm_time_step_rank(cfg["linear_num_value_heads"])
+    writer.add_ssm_inner_size(cfg["linear_value_head_dim"] * cfg["linear_num_value_heads"])
+    writer.add_array(f"{writer.arch}.attention.recurrent_layers", [t == "linear_attention" for t in cfg["layer_types"]])
+    writer.add_full_attention_interval(cfg.get("full_attention_interval", 4))
+    rope = cfg.get("rope_parameters") or {}
+    writer.add_rope_dimension_count(int(cfg["head_dim"] * rope.get("partial_rotary_factor", 0.25)))
+    writer.add_rope_dimension_sections(rope.get("mrope_section", [11, 11, 10]) + [0])
+
+
+def to_hybrid_layout(name: str, w: np.ndarray, cfg: dict) -> np.ndarray:
+    """What llama.cpp's converter does to a Qwen3.5 tensor: zero-centred norms (not Gated
+    DeltaNet's) stored as 1 + w, A_log as -exp(A_log), the conv kernel squeezed, and where value
+    heads outnumber key heads, value heads tiled ([v0: k0 k1, ...]) instead of grouped by key head."""
+    if name.endswith("norm.weight") and "linear_attn." not in name:
+        return w + 1.0
+    if "linear_attn." not in name:
+        return w
+    k, v = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
+    dk, dv = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
+
+    def tiled(x: np.ndarray, dim: int, axis: int = 0) -> np.ndarray:
+        x = np.moveaxis(x, axis, 0)
+        x = x.reshape(k, v // k, dim, *x.shape[1:]).swapaxes(0, 1).reshape(x.shape)
+        return np.moveaxis(x, 0, axis)
+
+    qk = 2 * k * dk
+    if name.endswith("A_log"):
+        w = -np.exp(w)
+    if name.endswith("conv1d.weight"):
+        w = w.reshape(w.shape[0], w.shape[-1])
+    if v == k:
+        return w
+    if name.endswith(("in_proj_qkv.weight", "conv1d.weight")):
+        return np.concatenate([w[:qk], tiled(w[qk:], dv)])
+    if name.endswith("in_proj_z.weight"):
+        return tiled(w, dv)
+    if name.endswith(("in_proj_b.weight", "in_proj_a.weight", "A_log", "dt_bias")):
+        return tiled(w, 1)
+    if name.endswith("out_proj.weight"):
+        return tiled(w, dv, axis=1)
+    return w
 
 
 def add_vocabulary(writer: gguf.GGUFWriter, model_dir: Path, vocab_size: int, gen: dict) -> None:
@@ -119,6 +180,10 @@ def export(model_dir: Path, out: Path, outtype: str = "f16", encode=None) -> Non
         writer.add_expert_count(experts)
         writer.add_expert_used_count(cfg["num_experts_per_tok"])
         writer.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+        if cfg.get("shared_expert_intermediate_size"):
+            writer.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
+    if arch in HYBRID_ARCHS:
+        hybrid_metadata(writer, cfg)
     rope = cfg.get("rope_parameters") or {}  # transformers 5 writes the theta there
     writer.add_rope_freq_base(cfg.get("rope_theta") or rope.get("rope_theta", 10000.0))
     writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
@@ -131,15 +196,17 @@ def export(model_dir: Path, out: Path, outtype: str = "f16", encode=None) -> Non
             if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
                 heads = cfg["num_attention_heads"] if "q_proj" in name else cfg["num_key_value_heads"]
                 array = permute_rotary(array, heads)
+            if arch in HYBRID_ARCHS:
+                array = to_hybrid_layout(name, array, cfg)
             if ".mlp.experts." in name:  # model.layers.{i}.mlp.experts.{e}.{proj}.weight
                 _, _, layer, _, _, expert, proj, _ = name.split(".")
                 by_layer.setdefault((layer, proj), {})[int(expert)] = array
                 continue
-            if array.ndim == 1:
-                writer.add_tensor(gguf_name(name), array)
+            if array.ndim == 1 or gguf_name(name, arch).endswith(KEPT_F32):
+                writer.add_tensor(gguf_name(name, arch), array)
             else:
                 data, qtype = (encode and encode(name, array)) or matrix(array, outtype)
-                writer.add_tensor(gguf_name(name), data, raw_dtype=qtype)
+                writer.add_tensor(gguf_name(name, arch), data, raw_dtype=qtype)
     for (layer, proj), by_expert in sorted(by_layer.items()):
         data, qtype = matrix(np.stack([by_expert[e] for e in sorted(by_expert)]), outtype)
         writer.add_tensor(f"blk.{layer}.{EXPERT_NAMES[proj]}", data, raw_dtype=qtype)

@@ -1,5 +1,5 @@
-"""Convert a benchmark model to GGUF with llama.cpp's own converter, for the architectures
-export_gguf.py does not write (Qwen3.5, Qwen3.5-MoE, Qwen3-Next).
+"""Convert a benchmark model to GGUF with llama.cpp's own converter (the reference that
+benchmarks/export_gguf.py is checked against, and the one way to write Qwen3-Next).
 
     python benchmarks/llamacpp_convert.py --llama-cpp /path/to/llama.cpp \
         --model benchmarks/models/qwen3.5-0.8b --out qwen3.5-0.8b-f16.gguf
@@ -12,6 +12,7 @@ which splits like Qwen's, so the converter is told "qwen2". Nothing else is chan
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -28,8 +29,10 @@ def main() -> None:
     from conversion import base
 
     base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "qwen2"
+    hybrid = any(a.startswith(("Qwen3_5", "Qwen3Next")) for a in
+                 json.loads((args.model / "config.json").read_text()).get("architectures", []))
     sys.argv = ["convert_hf_to_gguf.py", str(args.model), "--outfile", str(args.out), "--outtype", args.outtype,
-                "--no-mtp"]  # (the random models have no MTP head)
+                *(["--no-mtp"] if hybrid else [])]  # (the random hybrid models have no MTP head)
     convert_hf_to_gguf.main()
 
 

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from anna.model.config import ModelLoadError
-from anna.model.quantization import PackedWeight
+from anna.model.quantization import PackedWeight, dense
 from anna.weights.gguf_file import GGUFFile
 
 log = logging.getLogger(__name__)
@@ -49,7 +49,10 @@ ARCHITECTURES = {
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
     "qwen2moe": ("Qwen2MoeForCausalLM", "qwen2_moe"),
     "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
+    "qwen35": ("Qwen3_5ForCausalLM", "qwen3_5_text"),
+    "qwen35moe": ("Qwen3_5MoeForCausalLM", "qwen3_5_moe_text"),
 }
+HYBRID = ("qwen35", "qwen35moe")  # Gated DeltaNet layers beside full attention (model/qwen3_5.py)
 TOP_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 LAYER_TENSORS = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
@@ -58,7 +61,15 @@ LAYER_TENSORS = {
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj", "ffn_gate_inp": "mlp.gate",
     "ffn_gate_shexp": "mlp.shared_expert.gate_proj", "ffn_up_shexp": "mlp.shared_expert.up_proj",
     "ffn_down_shexp": "mlp.shared_expert.down_proj", "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    # the hybrid family: its post-attention norm's name, and the Gated DeltaNet layers' tensors
+    "post_attention_norm": "post_attention_layernorm", "attn_qkv": "linear_attn.in_proj_qkv",
+    "attn_gate": "linear_attn.in_proj_z", "ssm_beta": "linear_attn.in_proj_b", "ssm_alpha": "linear_attn.in_proj_a",
+    "ssm_a": "linear_attn.A_log", "ssm_dt": "linear_attn.dt", "ssm_conv1d": "linear_attn.conv1d",
+    "ssm_norm": "linear_attn.norm", "ssm_out": "linear_attn.out_proj",
 }
+# llama.cpp's converter stores the hybrid family's zero-centred norms as 1 + w (Gated DeltaNet's own
+# norm excepted), A_log as -exp(A_log) and dt_bias as ssm_dt.bias
+PLUS_ONE_NORMS = ("attn_norm", "post_attention_norm", "attn_q_norm", "attn_k_norm", "output_norm")
 EXPERT_TENSORS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 
 # tokenizer.ggml.pre (llama.cpp's names) -> the split before byte-level BPE (None: GPT-2's, built
@@ -257,6 +268,8 @@ def hf_config(reader: GGUFFile, arch: str, path: Path) -> tuple[dict[str, Any], 
                       norm_topk_prob=arch == "qwen3moe",
                       shared_expert_intermediate_size=int(meta("expert_shared_feed_forward_length", 0) or 0))
         config["intermediate_size"] = config["intermediate_size"] or config["moe_intermediate_size"]
+    if arch in HYBRID:
+        config.update(_hybrid_config(meta, need, config))
     scaling = meta("rope.scaling.type")
     if scaling in ("linear", "yarn"):
         config["rope_scaling"] = {"rope_type": scaling, "factor": float(need("rope.scaling.factor")),
@@ -269,6 +282,24 @@ def hf_config(reader: GGUFFile, arch: str, path: Path) -> tuple[dict[str, Any], 
     eos = [i for i in (reader.field(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")) if i is not None]
     generation = {"eos_token_id": list(dict.fromkeys(eos)), "bos_token_id": config["bos_token_id"]}
     return config, generation
+
+
+def _hybrid_config(meta, need, config: dict[str, Any]) -> dict[str, Any]:
+    """Qwen3.5's Gated DeltaNet shapes (ssm.*), its layer types, partial rotary, and the
+    multi-token-prediction blocks that llama.cpp counts in block_count (not loaded here)."""
+    value_heads = int(need("ssm.time_step_rank"))
+    layers = int(need("block_count")) - int(meta("nextn_predict_layers", 0) or 0)
+    recurrent = meta("attention.recurrent_layers")
+    if recurrent is None:
+        interval = int(meta("full_attention_interval", 4))
+        recurrent = [(i + 1) % interval != 0 for i in range(layers)]
+    return {"num_hidden_layers": layers, "layer_types": ["linear_attention" if r else "full_attention"
+                                                         for r in recurrent[:layers]],
+            "linear_num_key_heads": int(need("ssm.group_count")), "linear_num_value_heads": value_heads,
+            "linear_key_head_dim": int(need("ssm.state_size")),
+            "linear_value_head_dim": int(need("ssm.inner_size")) // value_heads,
+            "linear_conv_kernel_dim": int(need("ssm.conv_kernel")),
+            "partial_rotary_factor": int(meta("rope.dimension_count", config["head_dim"])) / config["head_dim"]}
 
 
 def _llama3_rope_scaling(reader: Any, config: dict[str, Any], path: Path) -> dict[str, Any]:
@@ -354,18 +385,22 @@ class GGUFTensors:
         self.skipped: list[str] = []
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor | PackedWeight]]:
+        layers = self.config["num_hidden_layers"]
         for t in self.reader.tensors:
             base, _, kind = t.name.rpartition(".")
+            if kind not in ("weight", "bias"):  # (ssm_a has no suffix)
+                base, kind = t.name, ""
             parts = base.split(".")
-            if parts[0] == "blk" and len(parts) == 3 and parts[2] in EXPERT_TENSORS:
+            in_layer = parts[0] == "blk" and len(parts) == 3 and int(parts[1]) < layers
+            if in_layer and parts[2] in EXPERT_TENSORS:
                 for e, value in enumerate(self._experts(t)):
                     yield f"model.layers.{parts[1]}.mlp.experts.{e}.{EXPERT_TENSORS[parts[2]]}.{kind}", value
                 continue
-            if parts[0] == "blk" and len(parts) == 3 and parts[2] in LAYER_TENSORS:
-                name = f"model.layers.{parts[1]}.{LAYER_TENSORS[parts[2]]}.{kind}"
+            if in_layer and parts[2] in LAYER_TENSORS:
+                name = f"model.layers.{parts[1]}.{LAYER_TENSORS[parts[2]]}"
             elif base in TOP_TENSORS:
-                name = f"{TOP_TENSORS[base]}.{kind}"
-            else:  # rope_freqs (read into the config), and what no served architecture has
+                name = TOP_TENSORS[base]
+            else:  # rope_freqs (read into the config), multi-token-prediction blocks, unknown names
                 self.skipped.append(t.name)
                 continue
             value = self._tensor(t)
@@ -374,7 +409,9 @@ class GGUFTensors:
                                           else self.config["num_key_value_heads"])
             if parts[-1] == "ffn_gate_inp_shexp":  # [hidden] in GGUF, one output row in the model
                 value = value.reshape(1, -1)
-            yield name, value
+            if self.arch in HYBRID:
+                name, kind, value = _from_hybrid_layout(parts[-1], name, kind, value, self.config)
+            yield f"{name}.{kind}" if kind else name, value
 
     def _tensor(self, t: Any) -> torch.Tensor | PackedWeight:
         return _convert(t.data, t.type_name, self.path, t.name)
@@ -404,6 +441,62 @@ def _convert(data: np.ndarray, qtype: str, path: Path, name: str) -> torch.Tenso
     except (NotImplementedError, KeyError) as exc:
         raise ModelLoadError(f"{path}: tensor {name} has GGUF type {qtype}, which Anna cannot read ({exc})") from None
     return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
+
+
+def _from_hybrid_layout(part: str, name: str, kind: str, value: torch.Tensor | PackedWeight,
+                        cfg: dict[str, Any]) -> tuple[str, str, torch.Tensor | PackedWeight]:
+    """Undo what llama.cpp's converter does to Qwen3.5's tensors: norms stored as 1 + w, A_log as
+    -exp(A_log), dt_bias as ssm_dt.bias, the conv kernel squeezed, and, where value heads
+    outnumber key heads, the value heads reordered from grouped by key head ([k0: v0 v1, k1: v0
+    v1]) to tiled ([v0: k0 k1, v1: k0 k1]) in every tensor that has one row or column per value
+    head channel."""
+    if part in PLUS_ONE_NORMS:
+        return name, kind, dense(value).float() - 1.0
+    k, v = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
+    dk, dv = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
+    grouped = _ungroup_order(k, v // k, dv)  # over v * dv channels
+    heads = _ungroup_order(k, v // k, 1)  # over v heads
+    if part == "attn_qkv":
+        value = _rows(value, torch.cat([torch.arange(2 * k * dk), 2 * k * dk + grouped]))
+    elif part == "attn_gate":
+        value = _rows(value, grouped)
+    elif part in ("ssm_beta", "ssm_alpha"):
+        value = _rows(value, heads)
+    elif part == "ssm_a":
+        value = torch.log(-dense(value).float()[heads])
+    elif part == "ssm_dt":
+        name, kind, value = name[: -len(".dt")] + ".dt_bias", "", dense(value)[heads]
+    elif part == "ssm_conv1d":
+        conv = dense(value)  # [channels, kernel]
+        value = conv[torch.cat([torch.arange(2 * k * dk), 2 * k * dk + grouped])].unsqueeze(1)
+    elif part == "ssm_out":
+        value = _columns(value, grouped, dv)
+    return name, kind, value
+
+
+def _ungroup_order(k: int, per_key: int, dim: int) -> torch.Tensor:
+    """Indices that take tiled rows ([per_key, k, dim]) back to grouped ones ([k, per_key, dim])."""
+    return torch.arange(k * per_key * dim).view(per_key, k, dim).transpose(0, 1).reshape(-1)
+
+
+def _rows(value: torch.Tensor | PackedWeight, order: torch.Tensor) -> torch.Tensor | PackedWeight:
+    if len(order) == value.shape[0] and torch.equal(order, torch.arange(len(order))):
+        return value
+    return value.rows(order) if isinstance(value, PackedWeight) else value[order]
+
+
+def _columns(value: torch.Tensor | PackedWeight, order: torch.Tensor, dim: int) -> torch.Tensor | PackedWeight:
+    """Columns reordered; a quantized weight moves whole blocks of 32 where heads span whole blocks."""
+    if torch.equal(order, torch.arange(len(order))):
+        return value
+    if isinstance(value, PackedWeight):
+        if dim % value.group:
+            return dense(value)[:, order]
+        blocks = order.view(-1, value.group)[:, 0] // value.group
+        n = value.values.shape[0]
+        vals = value.values.view(n, len(blocks), -1)[:, blocks].reshape(n, -1)
+        return PackedWeight(value.method, vals.contiguous(), value.scales[:, blocks].contiguous(), value.group)
+    return value[:, order]
 
 
 def _unpermute_rotary(value: torch.Tensor | PackedWeight, heads: int) -> torch.Tensor | PackedWeight:
