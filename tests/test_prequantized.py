@@ -152,9 +152,11 @@ def fp8_block(block: int):
             "weight_block_size": [block, block]}, encode
 
 
-def fp8_channel():
+def fp8_compressed(strategy: str):
+    """compressed-tensors FP8: a scale per output row ([N, 1]) or one for the tensor ([1])."""
     def encode(prefix: str, w: torch.Tensor):
-        scale = w.float().abs().amax(1, keepdim=True) / 448.0
+        scale = w.float().abs().amax(1, keepdim=True) / 448.0 if strategy == "channel" else \
+            (w.float().abs().amax() / 448.0).reshape(1)
         q = (w.float() / scale).to(torch.float8_e4m3fn)
         parts = {"weight": q, "weight_scale": scale}
         if prefix.endswith("k_proj"):  # a KV scale, as FP8-KV checkpoints carry one per attention layer
@@ -163,7 +165,7 @@ def fp8_channel():
 
     return {"quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
             "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
-                "num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True}}}}, encode
+                "num_bits": 8, "type": "float", "strategy": strategy, "symmetric": True}}}}, encode
 
 
 @pytest.fixture(scope="module")
@@ -243,7 +245,9 @@ def test_8_bit_gptq_is_anna_int8_in_its_groups(base, cache_dir, tmp_path):
     assert rel(logits, hf_logits(ref, PROMPT + tokens[:-1])) < 1e-5
 
 
-@pytest.mark.parametrize("name,fmt", [("fp8-block", fp8_block(32)), ("compressed-tensors-fp8", fp8_channel())])
+@pytest.mark.parametrize("name,fmt", [("fp8-block", fp8_block(32)),
+                                      ("compressed-tensors-fp8-channel", fp8_compressed("channel")),
+                                      ("compressed-tensors-fp8-tensor", fp8_compressed("tensor"))])
 def test_fp8_is_dequantized_to_the_serving_dtype(name, fmt, base, cache_dir, tmp_path, caplog):
     path, ref = make(base, tmp_path, fmt)
     with caplog.at_level(logging.INFO):
@@ -252,8 +256,9 @@ def test_fp8_is_dequantized_to_the_serving_dtype(name, fmt, base, cache_dir, tmp
     assert "FP8 weights dequantized to the serving dtype" in engine.settings.sources["quantization"]
     logits, tokens = run_logits(engine, PROMPT, 4)
     assert rel(logits, hf_logits(ref, PROMPT + tokens[:-1])) < 1e-5
-    if name == "compressed-tensors-fp8":
-        assert any("KV scales (k_scale, v_scale) are ignored" in r.message for r in caplog.records)
+    if name.startswith("compressed-tensors"):
+        assert any("KV scales (k_scale, v_scale) are ignored" in r.message and r.levelname == "WARNING"
+                   for r in caplog.records)
     int8 = load(path, cache_dir, quantization="int8")  # the choice the log offers
     logits, tokens = run_logits(int8, PROMPT, 4)
     assert rel(logits, hf_logits(ref, PROMPT + tokens[:-1])) < 0.03

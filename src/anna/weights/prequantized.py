@@ -160,12 +160,11 @@ class CheckpointConverter:
             prefix, parts = next(iter(self.pending.items()))
             raise ModelLoadError(f"{where}: quantized layer {prefix} has {', '.join(sorted(parts))} but not all the "
                                  f"parts {self.quant.label} stores a layer as")
-        lines = [f"{self.quant.label}: {self.exact} layer(s) repacked into Anna's int{self.quant.bits} as they are, "
-                 f"{self.dequantized} dequantized at load"]
         if any(k in self.dropped for k in KV_SCALES):
-            lines.append("the checkpoint's FP8 KV scales (k_scale, v_scale) are ignored: Anna's fp8/int8 KV cache "
-                         "(--kv-cache-dtype) keeps a scale per row")
-        return lines
+            log.warning("%s: the checkpoint's FP8 KV scales (k_scale, v_scale) are ignored: Anna's fp8/int8 KV "
+                        "cache (--kv-cache-dtype) keeps a scale per row", where)
+        return [f"{self.quant.label}: {self.exact} layer(s) repacked into Anna's int{self.quant.bits} as they are, "
+                f"{self.dequantized} dequantized at load"]
 
     def _complete(self, parts: dict[str, torch.Tensor]) -> bool:
         if self.quant.layout == "fp8":
