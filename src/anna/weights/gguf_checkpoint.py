@@ -130,8 +130,6 @@ INT4_SOURCES = {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", 
                 "IQ3_XXS", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_S", "IQ1_M", "TQ1_0", "TQ2_0", "MXFP4"}
 INT8_SOURCES = {"Q8_0", "Q6_K"}
 FLOAT_SOURCES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
-
-
 EXACT = {"Q4_0": "int4", "Q8_0": "int8"}  # types that are one of Anna's formats at group 32
 
 
@@ -197,7 +195,7 @@ def prepare_gguf_model(path: Path, cache_dir: str | Path, need_tokenizer: bool =
     st = path.stat()
     key = hashlib.sha256(json.dumps([FORMAT_VERSION, str(path), st.st_size, st.st_mtime_ns]).encode()).hexdigest()[:20]
     out = Path(cache_dir).expanduser() / "gguf" / key
-    if (out / "config.json").exists() and (need_tokenizer is False or (out / "tokenizer.json").exists()):
+    if (out / "config.json").exists() and (not need_tokenizer or (out / "tokenizer.json").exists()):
         return out
     reader = open_reader(path)
     arch = _architecture(reader, path)

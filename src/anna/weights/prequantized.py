@@ -47,8 +47,8 @@ class CheckpointQuantization:
     quantizes_lm_head: bool = False  # GPTQ's lm_head=true; otherwise the checkpoint keeps it in floats
 
     def auto_format(self) -> tuple[str, int, str]:
-        """(quantization, int4_group_size, why) for quantization=auto: int4 at the checkpoint's
-        group where that is exact (else group 32), int8 for 8-bit weights, floats for FP8."""
+        """(quantization, group size, why) for quantization=auto: int4 (int8 for 8-bit weights) at
+        the checkpoint's group where that is exact, else in groups of 32; floats for FP8."""
         if self.method == "fp8":
             return "none", 32, f"{self.label}: FP8 weights dequantized to the serving dtype (--quantization int8 " \
                                "stores them in int8: half the bytes, a second rounding)"
