@@ -79,7 +79,7 @@ def test_q4_0_is_anna_int4_byte_for_byte_and_matches_transformers(arch, gguf_fil
         engine = gguf_engine(path, cache_dir, disable_int4_cache=True)
     assert (engine.settings.quantization, engine.settings.int4_group_size) == ("int4", 32)
     assert "mostly Q4_0" in engine.settings.sources["quantization"]
-    assert any("Q4_0" in r.message and "as they are" in r.message for r in caplog.records)
+    assert any("Q4_0" in r.message and "as it is stored" in r.message for r in caplog.records)
     ref_model = transformers_from_gguf(path)
     # every layer holds exactly the file's values: no float round trip
     ours = engine.runner.model
@@ -119,7 +119,7 @@ def test_q8_0_is_anna_int8_in_groups_of_32(hf_models, gguf_files, cache_dir, cap
     with caplog.at_level(logging.INFO):
         engine = gguf_engine(gguf_files["qwen2", "q8_0"], cache_dir)
     assert (engine.settings.quantization, engine.settings.int8_group_size) == ("int8", 32)
-    assert any("Q8_0" in r.message and "as they are" in r.message for r in caplog.records)
+    assert any("Q8_0" in r.message and "as it is stored" in r.message for r in caplog.records)
     ref = transformers_from_gguf(gguf_files["qwen2", "q8_0"])
     down = engine.runner.model.layers[0].mlp.down_proj
     assert torch.equal(down.dequantized(), dict(ref.named_parameters())["model.layers.0.mlp.down_proj.weight"])
@@ -215,10 +215,16 @@ def test_k_quants_are_dequantized_at_load(k_quant_file, cache_dir, caplog):
     assert rel(logits, hf_logits(model, PROMPT + tokens[:-1])) < 1e-4
 
 
-def test_k_quants_choose_anna_format_by_bits(k_quant_file, cache_dir):
+def test_k_quants_choose_anna_format_by_bits(k_quant_file, cache_dir, caplog):
     path, model = k_quant_file
-    engine = gguf_engine(path, cache_dir, disable_int4_cache=True)  # mostly 2- to 5-bit: int4
+    with caplog.at_level(logging.INFO):
+        engine = gguf_engine(path, cache_dir, disable_int4_cache=True)  # mostly 2- to 5-bit: int4
     assert (engine.settings.quantization, engine.settings.int4_group_size) == ("int4", 32)
+    # the lm_head (Q6_K) in 8 bits, as the file keeps it in more than the layers' 4
+    assert isinstance(engine.runner.model.lm_head, QuantLinear) and engine.runner.model.lm_head.kind == 0
+    assert any("GGUF Q6_K: the lm_head dequantized at load and quantized again to Anna's int8 (group 32)" in r.message
+               for r in caplog.records)
+    assert any(r.message.startswith("GGUF Q6_K: 4 tensor(s)") for r in caplog.records)  # q_proj, o_proj x 2 layers
     down = engine.runner.model.layers[1].mlp.down_proj  # Q2_K blocks, quantized again to int4 groups of 32
     file_values = dict(model.named_parameters())["model.layers.1.mlp.down_proj.weight"]
     assert torch.equal(down.dequantized(), dequantize_int4(*quantize_int4(file_values, 32), 32))
@@ -420,7 +426,7 @@ def test_a_qwen3_5_q4_0_gguf_loads_its_blocks_as_they_are(qwen3_5_wide_heads, ca
     with caplog.at_level(logging.INFO):
         engine = gguf_engine(qwen3_5_wide_heads, cache_dir, disable_int4_cache=True, int4_matmul="dequant")
     assert engine.settings.quantization == "int4"
-    assert any("GGUF Q4_0:" in r.message and "as they are" in r.message for r in caplog.records)
+    assert any("GGUF Q4_0:" in r.message and "as it is stored" in r.message for r in caplog.records)
     floats = gguf_engine(qwen3_5_wide_heads, cache_dir, quantization="none")
     a, tokens = run_logits(engine, PROMPT, 4)
     b, _ = run_logits(floats, PROMPT, 4, forced=tokens)

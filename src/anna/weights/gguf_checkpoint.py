@@ -161,20 +161,27 @@ def _method_of(type_name: str) -> str:
     return "int4" if type_name in INT4_SOURCES else "int8" if type_name in INT8_SOURCES else "none"
 
 
-def describe_conversion(types: Counter, method: str, group: int) -> list[str]:
+def describe_conversion(types: Counter, method: str, group: int, lm_head: tuple[str, str, int] | None = None) -> list[str]:
     """One line per tensor type: how its tensors reach the format Anna serves (``method`` at
-    ``group``; the lm_head may have a format of its own, see ``lm_head_method``)."""
-    lines = []
-    where = f"Anna's {method} ({f'group {group}' if group else 'one scale per row'})"
-    for name, count in sorted(types.items()):
-        if EXACT.get(name) == method and group == 32:
-            how = f"repacked into {where} as they are"
-        elif name in FLOAT_SOURCES or method == "none":
-            how = "loaded as floats" if name in FLOAT_SOURCES else "dequantized at load to floats"
-        else:
-            how = f"dequantized at load and quantized again to {where}"
-        lines.append(f"GGUF {name}: {count} tensor(s) {how}")
+    ``group``), and one for the lm_head where it has a format of its own (its GGUF type, method
+    and group; see ``lm_head_method``)."""
+    types = Counter(types)
+    if lm_head is not None:
+        types[lm_head[0]] -= 1
+    lines = [f"GGUF {name}: {count} tensor(s) {_how(name, method, group)}"
+             for name, count in sorted(types.items()) if count > 0]
+    if lm_head is not None:
+        lines.append(f"GGUF {lm_head[0]}: the lm_head {_how(*lm_head)}")
     return lines
+
+
+def _how(type_name: str, method: str, group: int) -> str:
+    where = f"Anna's {method} ({f'group {group}' if group else 'one scale per row'})"
+    if EXACT.get(type_name) == method and group == 32:
+        return f"repacked into {where} as it is stored"
+    if type_name in FLOAT_SOURCES or method == "none":
+        return "loaded as floats" if type_name in FLOAT_SOURCES else "dequantized at load to floats"
+    return f"dequantized at load and quantized again to {where}"
 
 
 def matrix_types(reader: GGUFFile) -> Counter:

@@ -26,7 +26,7 @@ from anna.model.ops import ModelOps
 from anna.model.registry import model_class
 from anna.platforms import Platform
 from anna.weights import int4_cache as int4_cache_mod
-from anna.weights.gguf_checkpoint import LINK_NAME, GGUFTensors, describe_conversion
+from anna.weights.gguf_checkpoint import GGUF_LM_HEAD_KEY, LINK_NAME, GGUFTensors, describe_conversion
 from anna.weights.prequantized import CheckpointConverter, checkpoint_quantization
 
 log = logging.getLogger(__name__)
@@ -91,10 +91,12 @@ def _load_gguf(model: torch.nn.Module, path: Path, cfg: ModelConfig, ops: ModelO
     tensors = GGUFTensors(path.resolve(), cfg.raw)
     loaded = model.load_weights(tensors, str(path.resolve()))
     q = ops.quant
-    notes = describe_conversion(tensors.types, q.method, q.int4_group_size if q.method == "int4" else q.int8_group_size)
-    if q.lm_head_method:
-        notes.append(f"lm_head: {q.lm_head_method}" + (f" (group {q.int8_group_size})" if q.lm_head_method == "int8"
-                                                        else "") + ", as the file stores it in more bits")
+
+    def group(method: str) -> int:
+        return q.int4_group_size if method == "int4" else q.int8_group_size if method == "int8" else 0
+
+    lm_head = (cfg.raw[GGUF_LM_HEAD_KEY], q.lm_head_method, group(q.lm_head_method)) if q.lm_head_method else None
+    notes = describe_conversion(tensors.types, q.method, group(q.method), lm_head)
     if tensors.skipped:
         notes.append(f"GGUF tensors not loaded: {', '.join(tensors.skipped)}")
     return loaded, notes
