@@ -157,7 +157,7 @@ class QuantLinear(nn.Module):
         self.out_features = n = sum(self.shard_sizes)
         self.method = method or ops.quant.method
         self.kind = 0 if self.method == "int8" else 1
-        self.group = ops.quant.int4_group_size if self.kind == 1 else ops.quant.int8_group_size  # int8: 0 = per row
+        self.group = ops.quant.group_size(self.method)
         if self.group and in_features % self.group:
             raise ValueError(f"{self.method}_group_size: {self.group} does not divide the input size {in_features}")
         if in_features % INT4_BLOCK:

@@ -35,6 +35,10 @@ class QuantFormat:
     lm_head_method: str = ""
     int8_group_size: int = 0  # 0: one scale per row
 
+    def group_size(self, method: str) -> int:
+        """Input columns per scale of a layer quantized as ``method`` (int8: 0 = one per row)."""
+        return self.int4_group_size if method == "int4" else self.int8_group_size if method == "int8" else 0
+
 
 @dataclass(frozen=True)
 class LinearRouting:

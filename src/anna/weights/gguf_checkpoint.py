@@ -421,8 +421,9 @@ class GGUFTensors:
         return _convert(t.data, t.type_name, self.path, t.name)
 
     def _experts(self, t: Any) -> Iterator[torch.Tensor | PackedWeight]:
-        for e in range(t.data.shape[0]):  # [experts, rows, ...]: one matrix each
-            yield _convert(t.data[e], t.type_name, self.path, t.name)
+        data = t.data  # [experts, rows, ...]: one matrix each
+        for e in range(data.shape[0]):
+            yield _convert(data[e], t.type_name, self.path, t.name)
 
 
 def _convert(data: np.ndarray, qtype: str, path: Path, name: str) -> torch.Tensor | PackedWeight:
@@ -507,5 +508,4 @@ def _unpermute_rotary(value: torch.Tensor | PackedWeight, heads: int) -> torch.T
     """llama.cpp's converter orders each Llama head's q/k rows as pairs (i, i + d/2) interleaved;
     Hugging Face's rotate-half order has the two halves apart. Rows only: quantized rows move whole."""
     n = value.shape[0]
-    order = torch.arange(n).view(heads, n // heads // 2, 2).transpose(1, 2).reshape(-1)
-    return value.rows(order) if isinstance(value, PackedWeight) else value[order]
+    return _rows(value, torch.arange(n).view(heads, n // heads // 2, 2).transpose(1, 2).reshape(-1))

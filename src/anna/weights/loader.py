@@ -91,12 +91,9 @@ def _load_gguf(model: torch.nn.Module, path: Path, cfg: ModelConfig, ops: ModelO
     tensors = GGUFTensors(path.resolve(), cfg.raw)
     loaded = model.load_weights(tensors, str(path.resolve()))
     q = ops.quant
-
-    def group(method: str) -> int:
-        return q.int4_group_size if method == "int4" else q.int8_group_size if method == "int8" else 0
-
-    lm_head = (cfg.raw[GGUF_LM_HEAD_KEY], q.lm_head_method, group(q.lm_head_method)) if q.lm_head_method else None
-    notes = describe_conversion(tensors.types, q.method, group(q.method), lm_head)
+    lm_head = (cfg.raw[GGUF_LM_HEAD_KEY], q.lm_head_method, q.group_size(q.lm_head_method)) if q.lm_head_method \
+        else None
+    notes = describe_conversion(tensors.types, q.method, q.group_size(q.method), lm_head)
     if tensors.skipped:
         notes.append(f"GGUF tensors not loaded: {', '.join(tensors.skipped)}")
     return loaded, notes
