@@ -60,11 +60,12 @@ ARCH_CONFIGS = {
 }
 
 
-def build_hf_model(name: str, seed: int = 0):
+def build_hf_model(name: str, seed: int = 0, **overrides):
+    """``overrides``: config fields changed from ARCH_CONFIGS' (e.g. one KV head)."""
     import transformers
 
     config_cls, model_cls, extra = ARCH_CONFIGS[name]
-    config = getattr(transformers, config_cls)(**{**COMMON, **extra})
+    config = getattr(transformers, config_cls)(**{**COMMON, **extra, **overrides})
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(config).eval()

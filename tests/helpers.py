@@ -28,7 +28,7 @@ def run_logits(engine: LLMEngine, prompt: list[int], decode_steps: int, chunks: 
             inputs = runner.prepare([req], [n])
             hidden = runner.forward(inputs)
             with torch.inference_mode():
-                step_logits = runner.model.compute_logits(hidden)
+                step_logits = runner.compute_logits(hidden)
             req.num_computed_tokens += n
             logits.append(step_logits)
             if req.num_computed_tokens == req.num_tokens:

@@ -182,5 +182,6 @@ def test_vllm_command_lines_parse(caplog):
         settings = settings_from_args(args).resolve(env={})
     assert (settings.memory_utilization, settings.max_num_seqs, settings.model) == (0.5, 32, "/m")
     assert "--swap-space has no effect in Anna" in caplog.text and "--trust-remote-code" in caplog.text
-    with pytest.raises(ValueError, match="^tensor_parallel_size: .*only 1"):
-        settings_from_args(build_parser().parse_args(["serve", "--tensor-parallel-size", "2"]))
+    assert settings.tensor_parallel_size == 1
+    parsed = settings_from_args(build_parser().parse_args(["serve", "-tp", "2"])).resolve(env={})
+    assert (parsed.tensor_parallel_size, parsed.sources["tensor_parallel_size"]) == (2, "cli")

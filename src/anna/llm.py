@@ -8,7 +8,7 @@ from typing import Any, Sequence
 
 from tqdm import tqdm
 
-from anna.core.config import ALIASES, IGNORED_VLLM_ARGS, RENAMED_VLLM_ARGS, ServeSettings, check_tensor_parallel_size
+from anna.core.config import ALIASES, IGNORED_VLLM_ARGS, RENAMED_VLLM_ARGS, ServeSettings
 from anna.core.outputs import RequestOutput
 from anna.beam_search import BeamSearchOutput, beam_search
 from anna.core.sampling_params import BeamSearchParams, SamplingParams
@@ -47,9 +47,7 @@ class LLM:
         values: dict[str, Any] = {"model": model}
         for key, value in kwargs.items():
             key = RENAMED_VLLM_ARGS.get(key, ALIASES.get(key, key))
-            if key == "tensor_parallel_size":
-                check_tensor_parallel_size(value)
-            elif key in IGNORED_VLLM_ARGS:
+            if key in IGNORED_VLLM_ARGS:
                 log.info("LLM(%s=...) has no effect in Anna", key)
             elif key in names:
                 values[key] = value
@@ -57,6 +55,10 @@ class LLM:
                 raise ValueError(f"{key}: not a setting of Anna's LLM")
         self.llm_engine = LLMEngine(ServeSettings(**values).resolve(explicit_source="argument"))
         self._counter = 0
+
+    def shutdown(self) -> None:
+        """Stop the other ranks of a tensor-parallel model (also done when the process exits)."""
+        self.llm_engine.shutdown()
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer

@@ -9,7 +9,10 @@ import logging
 import sys
 
 from anna.core.config import (IGNORED_VLLM_ARGS, PROFILE, RENAMED_VLLM_ARGS, ServeSettings, alias_names,
-                              check_tensor_parallel_size, env_name, field_type, settings_fields)
+                              env_name, field_type, settings_fields)
+
+
+SHORT_FLAGS = {"tensor_parallel_size": ["-tp"]}  # vLLM's
 
 
 def add_settings_flags(parser: argparse.ArgumentParser, skip: set[str] = frozenset()) -> None:
@@ -23,6 +26,7 @@ def add_settings_flags(parser: argparse.ArgumentParser, skip: set[str] = frozens
         help_text = f"{f.metadata['help']} [default: {shown}; env: {env_name(f)}{aliases}]"
         flags = ["--" + name.replace("_", "-") for name in
                  [f.name] + [old for old, new in RENAMED_VLLM_ARGS.items() if new == f.name] + list(alias_names(f))]
+        flags += SHORT_FLAGS.get(f.name, [])
         typ = field_type(f)
         if typ is bool:
             group.add_argument(*flags, dest=f.name, action=argparse.BooleanOptionalAction, default=None,
@@ -36,7 +40,6 @@ def add_settings_flags(parser: argparse.ArgumentParser, skip: set[str] = frozens
         "--memory-utilization), and, with no effect in Anna, " +
         ", ".join("--" + name.replace("_", "-") + (" VALUE" if takes_value else "")
                   for name, takes_value in IGNORED_VLLM_ARGS.items()) + ".")
-    vllm.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="Only 1: Anna runs on one device.")
     for name, takes_value in IGNORED_VLLM_ARGS.items():
         flag = "--" + name.replace("_", "-")
         if takes_value:
@@ -48,7 +51,6 @@ def add_settings_flags(parser: argparse.ArgumentParser, skip: set[str] = frozens
 def settings_from_args(args: argparse.Namespace) -> ServeSettings:
     if getattr(args, "model_pos", None):
         args.model = args.model_pos
-    check_tensor_parallel_size(getattr(args, "tensor_parallel_size", 1))
     for name in IGNORED_VLLM_ARGS:
         if getattr(args, f"vllm_{name}", None) is not None:
             logging.getLogger(__name__).info("--%s has no effect in Anna", name.replace("_", "-"))
@@ -79,9 +81,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    settings = settings_from_args(args).resolve()
+    if settings.node_rank > 0:  # a tensor-parallel node that only runs its ranks; node 0 serves
+        from anna.runtime.builder import serve_node_ranks
+
+        return serve_node_ranks(settings)
     from anna.server.http_server import serve
 
-    return serve(settings_from_args(args).resolve())
+    return serve(settings)
 
 
 def cmd_tune(args: argparse.Namespace) -> int:

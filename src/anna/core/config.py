@@ -48,22 +48,18 @@ IGNORED_VLLM_ARGS = {"trust_remote_code": False, "enforce_eager": False, "disabl
 RENAMED_VLLM_ARGS = {"gpu_memory_utilization": "memory_utilization"}
 
 
-def check_tensor_parallel_size(value: Any) -> None:
-    if value != 1:
-        raise ValueError(f"tensor_parallel_size: Anna runs on one device; only 1 is supported (got {value!r})")
-
-
 def _setting(default: Any, help: str, *, choices: tuple | None = None, env: str | None = None,
              cli: bool = True, minimum: float = 0, maximum: float | None = None, several: bool = False,
-             aliases: tuple[str, ...] = (), parse: Any = None) -> Any:
+             aliases: tuple[str, ...] = (), parse: Any = None, env_fallbacks: tuple[str, ...] = ()) -> Any:
     """A ServeSettings field: unset (None) until resolved; ``default`` is the built-in value.
     ``several``: a comma-separated list, whose flag also takes the values one after another.
     ``aliases``: other names of the same setting (each a flag, an ANNA_* variable and an LLM
     keyword), as the founding manual spells them. ``parse``: checks a value and returns its
-    canonical form (for structured values such as JSON)."""
+    canonical form (for structured values such as JSON). ``env_fallbacks``: variables other launchers
+    set (torchrun's MASTER_ADDR, ...), read after the ANNA_* ones."""
     return field(default=None, metadata={"default": default, "help": help, "choices": choices, "env": env,
                                          "cli": cli, "minimum": minimum, "maximum": maximum, "several": several,
-                                         "aliases": aliases, "parse": parse})
+                                         "aliases": aliases, "parse": parse, "env_fallbacks": env_fallbacks})
 
 
 PROFILE = object()  # marker: the built-in default comes from the scheduler profile
@@ -139,6 +135,27 @@ class ServeSettings:
               "(`anna tune MODEL` measures again). --no-calibrate: the built-in values.")
     cpu_huge_pages: bool | None = _setting(
         True, "On CPU, keep the weights and the KV cache on transparent huge pages (Linux): fewer TLB misses.")
+
+    # Parallelism
+    tensor_parallel_size: int | None = _setting(
+        1, "Ranks the model is split across (attention heads, MLP and expert columns, the vocabulary): one process "
+           "each, with its share of the CPU cores or its own GPU; the engine and scheduler stay in the first. "
+           "Across nodes with --nnodes (each node runs its share of the ranks).", minimum=1, aliases=("tp",))
+    distributed_executor_backend: str | None = _setting(
+        "mp", "How the other ranks are started: mp (processes on this node, and `anna serve --node-rank N` on the "
+              "others) or ray (Ray actors on the Ray cluster this process joins; needs `pip install anna[ray]`).",
+        choices=("mp", "ray"))
+    nnodes: int | None = _setting(1, "Nodes the tensor-parallel ranks are spread over, as many ranks on each.",
+                                  minimum=1, env_fallbacks=("NNODES", "GROUP_WORLD_SIZE"))
+    node_rank: int | None = _setting(
+        0, "This node's index: 0 serves (engine, scheduler, HTTP), the others only run their ranks' share of the "
+           "model.", env_fallbacks=("NODE_RANK", "GROUP_RANK"))
+    master_addr: str | None = _setting(
+        "127.0.0.1", "Address of node 0, where the ranks meet (torch.distributed's TCP rendezvous).",
+        env_fallbacks=("MASTER_ADDR",))
+    master_port: int | None = _setting(
+        0, "Port of that rendezvous on node 0; 0 = a free port (one node only).", maximum=65535,
+        env_fallbacks=("MASTER_PORT",))
 
     # KV cache
     block_size: int | None = _setting(16, "Tokens per KV cache block.", minimum=1)
@@ -304,6 +321,8 @@ SECTION_FIELDS: dict[str, tuple[str, ...]] = {
     "execution": ("device", "compile_mode", "compile_fullgraph", "decode_executor", "torchinductor_cache_dir",
                   "profile_runtime", "inference_warmup", "warmup_prefill_tokens", "warmup_batch_size",
                   "warmup_decode_steps"),
+    "parallel": ("tensor_parallel_size", "distributed_executor_backend", "nnodes", "node_rank", "master_addr",
+                 "master_port"),
     "cpu": ("cpu_kernels", "cpu_kernel_compiler", "cpu_isa", "cpu_gemv_max_rows", "cpu_upcast_min_rows", "calibrate",
             "cpu_huge_pages", "int4_matmul", "int4_gemv_m_threshold"),
     "server": ("host", "port", "api_key", "allowed_origins", "max_n", "max_request_bytes", "header_read_timeout",
@@ -331,6 +350,7 @@ class SettingsSections:
     cache: Any
     scheduler: Any
     execution: Any
+    parallel: Any
     cpu: Any
     server: Any
 
@@ -430,7 +450,8 @@ def parse_value(f: dataclasses.Field, raw: Any, origin: str) -> Any:
 
 
 def resolve_settings(settings: ServeSettings, env: Mapping[str, str], explicit_source: str = "cli") -> ResolvedSettings:
-    """Fill every field: explicit value > ANNA_* env > scheduler profile > built-in default."""
+    """Fill every field: explicit value > ANNA_* env > another launcher's variable (MASTER_ADDR, ...) >
+    scheduler profile > built-in default."""
     fields = dataclasses.fields(ServeSettings)
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
@@ -443,6 +464,9 @@ def resolve_settings(settings: ServeSettings, env: Mapping[str, str], explicit_s
             values[f.name], sources[f.name] = parse_value(f, env[env_name(f)], env_name(f)), "env"
         elif any(env.get(ENV_PREFIX + a.upper(), "") != "" for a in alias_names(f)):
             var = next(ENV_PREFIX + a.upper() for a in alias_names(f) if env.get(ENV_PREFIX + a.upper(), "") != "")
+            values[f.name], sources[f.name] = parse_value(f, env[var], var), f"env {var}"
+        elif any(env.get(var, "") != "" for var in f.metadata["env_fallbacks"]):
+            var = next(var for var in f.metadata["env_fallbacks"] if env.get(var, "") != "")
             values[f.name], sources[f.name] = parse_value(f, env[var], var), f"env {var}"
         elif f.metadata["default"] is PROFILE:
             deferred.append(f)

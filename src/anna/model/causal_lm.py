@@ -25,6 +25,7 @@ from anna.model.registry import ARCHITECTURES
 
 if TYPE_CHECKING:
     from anna.model.attention import AttentionMetadata
+    from anna.parallel.sharding import VocabShard
 
 Loader = Callable[[torch.Tensor, str, str], None]  # (checkpoint tensor, its name, its file)
 
@@ -61,9 +62,16 @@ class CausalLM(nn.Module):
             if cfg.tie_word_embeddings:
                 self.lm_head.weight = self.embed_tokens
         self.skipped_tensors: dict[str, int] = {}  # checkpoint prefix -> tensors seen there and not loaded
+        # tensor parallelism (parallel/sharding.py): this rank's slice of the vocabulary, or None
+        self.vocab_shard: VocabShard | None = None
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """A fresh tensor (the residual stream may be updated in place)."""
+        if self.vocab_shard is not None:
+            return self.vocab_shard.embed(self._embedding_rows, input_ids)
+        return self._embedding_rows(input_ids)
+
+    def _embedding_rows(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.embed_tokens is None:
             return self.lm_head.dequantized(input_ids).to(self.activation_dtype)
         if self.config.tie_word_embeddings:  # the lm_head's weight, in the lm_head's layout
@@ -82,7 +90,8 @@ class CausalLM(nn.Module):
         return self.norm(hidden, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        logits = self.lm_head(hidden).float()
+        return logits if self.vocab_shard is None else self.vocab_shard.gather_logits(logits)
 
     # ---- weights ----
     TOP_LEVEL_PARTS = ("lm_head", "mtp")  # modules named as they are, outside the family's checkpoint prefix
@@ -114,7 +123,8 @@ class CausalLM(nn.Module):
                     targets[f"{prefix}{mod_name}.{local}"] = loader
         prefix = self.family.checkpoint_prefix
         if self.embed_tokens is not None:
-            targets[f"{prefix}embed_tokens.weight"] = partial(_copy_into, self.embed_tokens, 0.0)
+            targets[f"{prefix}embed_tokens.weight"] = partial(_copy_into, self.embed_tokens, 0.0) \
+                if self.vocab_shard is None else partial(_copy_rows, self.vocab_shard, self.embed_tokens)
         if self.config.tie_word_embeddings:
             loader = targets.pop("lm_head.weight")
             if self.embed_tokens is None:  # quantized: the embedding checkpoint tensor feeds the lm_head
@@ -157,7 +167,16 @@ class CausalLM(nn.Module):
 
 def _load_linear(module: Linear | QuantLinear, kind: str, shard: int, tensor: torch.Tensor, name: str,
                  where: str) -> None:
+    if module.tensor_parallel is not None:  # this rank's rows or columns (parallel/sharding.py)
+        row_scales = isinstance(module, QuantLinear) and module.kind == 0 and not module.group
+        tensor = module.tensor_parallel.take(kind, shard, tensor, row_scales)
     module.load(kind, shard, tensor, name, where)
+
+
+def _copy_rows(vocab: "VocabShard", param: torch.Tensor, tensor: torch.Tensor, name: str, where: str) -> None:
+    """An embedding's rows of this rank's vocabulary slice (tensor parallelism)."""
+    check_shape(name, where, (vocab.vocab, param.shape[1]), tuple(tensor.shape))
+    _copy_into(param, 0.0, vocab.take_rows(tensor), name, where)
 
 
 def _copy_into(param: torch.Tensor, offset: float, tensor: torch.Tensor, name: str, where: str) -> None:

@@ -173,10 +173,21 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(lin.value_head_dim, eps, dtype, ops)
         self.out_proj = make_linear(lin.value_dim, hidden, bias=False, dtype=dtype, ops=ops)
         self.ops = ops
+        self.tensor_parallel = None  # parallel/sharding.py's GatedDeltaShard: this rank's channels and heads
 
     def own_checkpoint_targets(self) -> dict:
-        return {"conv1d.weight": partial(_load_conv_weight, self.conv_weight),
-                "A_log": partial(_load_vector, self.A_log), "dt_bias": partial(_load_vector, self.dt_bias)}
+        shard = self.tensor_parallel
+        if shard is None:
+            return {"conv1d.weight": partial(_load_conv_weight, self.conv_weight),
+                    "A_log": partial(_load_vector, self.A_log), "dt_bias": partial(_load_vector, self.dt_bias)}
+        from anna.parallel.sharding import take_rows
+
+        def rows(load, ranges, param, tensor, name, where):
+            load(param, take_rows(tensor, ranges), name, where)
+
+        return {"conv1d.weight": partial(rows, _load_conv_weight, shard.channels, self.conv_weight),
+                "A_log": partial(rows, _load_vector, shard.heads, self.A_log),
+                "dt_bias": partial(rows, _load_vector, shard.heads, self.dt_bias)}
 
     def forward(self, x: torch.Tensor, state: dict[str, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         ops, t = self.ops, x.shape[0]

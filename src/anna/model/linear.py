@@ -100,6 +100,7 @@ class Linear(nn.Module):
         self.ops = ops
         self.profile_name: str | None = None  # region name under --profile-runtime (default: the route)
         self.interleaved = False  # weight in interleave_rows' layout, for Anna's CPU kernel
+        self.tensor_parallel = None  # parallel/sharding.py's LinearShard: what this rank keeps of the checkpoint
 
     def shard_slice(self, shard: int) -> slice:
         start = sum(self.shard_sizes[:shard])
@@ -173,6 +174,7 @@ class QuantLinear(nn.Module):
         self.ops = ops
         self.profile_name: str | None = None
         self.interleaved = False  # qweight/scales in quantized_for_cpu_kernel's layout
+        self.tensor_parallel = None  # as Linear's
 
     shard_slice = Linear.shard_slice
 

@@ -137,9 +137,20 @@ class Qwen3_5ForCausalLM(CausalLM):
                 for part in ("qkv", "z", "b", "a"):
                     del targets[f"{base}in_proj_{part}.weight"]
                 proj, lin = layer.linear_attn.in_proj, self.config.linear_attention
-                targets[base + "in_proj_qkvz.weight"] = partial(_load_grouped_qkvz, proj, lin)
-                targets[base + "in_proj_ba.weight"] = partial(_load_grouped_ba, layer.linear_attn.in_proj_ba, lin)
+                qkvz = partial(_load_grouped_qkvz, proj, lin)
+                ba = partial(_load_grouped_ba, layer.linear_attn.in_proj_ba, lin)
+                shard = layer.linear_attn.tensor_parallel
+                if shard is not None:  # this rank's key heads' groups, then split as a whole model's
+                    ratio = lin.num_value_heads // lin.num_key_heads
+                    qkvz = partial(_key_head_rows, shard, 2 * lin.key_head_dim + 2 * ratio * lin.value_head_dim, qkvz)
+                    ba = partial(_key_head_rows, shard, 2 * ratio, ba)
+                targets[base + "in_proj_qkvz.weight"] = qkvz
+                targets[base + "in_proj_ba.weight"] = ba
         return targets
+
+
+def _key_head_rows(shard, rows_per_key_head: int, load: Loader, tensor: torch.Tensor, name: str, where: str) -> None:
+    load(shard.key_head_rows(tensor, rows_per_key_head), name, where)
 
 
 def _load_grouped_qkvz(proj: Linear | QuantLinear, lin: LinearAttentionConfig, tensor: torch.Tensor, name: str,

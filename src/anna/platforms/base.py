@@ -43,6 +43,7 @@ class Platform:
     name = "base"
     auto_compile_mode = "none"  # what --compile-mode auto means here: no GPU measurement has said otherwise yet
     measures_activation_peak = True  # the KV plan subtracts a profile run's peak from device memory
+    ranks_share_memory = False  # tensor-parallel ranks on one host each have a device of their own
     pages_on_demand = False  # cache memory is committed as it is written and can be handed back by range
     activation_reserve = 1 * GIB  # headroom when no profile run measured the peak
 

@@ -9,8 +9,9 @@ import dataclasses
 import logging
 from collections import Counter
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -20,6 +21,8 @@ from anna.core.sampling_params import SamplingParams
 from anna.model.cache_spec import state_layers, with_kv_cache_dtype
 from anna.model.config import ModelConfig, load_generation_defaults, load_model_config
 from anna.model.ops import ModelOps, QuantFormat
+from anna.parallel.sharding import TensorParallelShard
+from anna.parallel.workers import ParallelLayout, RankGroups, WorkerGroup, join_group, serve_node, threads_per_rank
 from anna.platforms import Platform, resolve_platform
 from anna.runtime.cache_managers import CacheManagers
 from anna.runtime.compilation import use_inductor_cache_dir
@@ -40,7 +43,7 @@ from anna.runtime.structured_output import StructuredOutputCompiler
 from anna.weights.chat_template import load_chat_template, template_reasoning_format, template_tool_format
 from anna.weights.demo_model import DEMO_NOTICE, ensure_demo_model
 from anna.weights.gguf_checkpoint import GGUF_TYPES_KEY, find_gguf, lm_head_method, prepare_gguf_model, quant_choice
-from anna.weights.loader import Int4CacheOptions, load_model
+from anna.weights.loader import Int4CacheOptions, TensorParallelLoad, load_model
 from anna.weights.prequantized import checkpoint_quantization
 from anna.weights.tokenizer import Tokenizer
 
@@ -72,12 +75,74 @@ class EngineParts:
     memory: MemoryReleaser
     inputs: InputProcessor
     calibration: Any  # what this host measured for the model (platforms/cpu/calibration.py), or None
+    workers: WorkerGroup | None = None  # the other ranks of a tensor-parallel model
+
+
+@dataclass
+class ModelShare:
+    """A rank's model (the whole model on one device) and what it runs with."""
+
+    platform: Platform
+    dtype: torch.dtype
+    activation_dtype: torch.dtype
+    ops: ModelOps
+    model: torch.nn.Module
+    specs: list  # the model's cache specs, in the KV cache dtype
+    groups: RankGroups | None  # its tensor-parallel group, or None
+
+
+def load_model_share(s: ResolvedSettings, model_dir: str, lm_head_quantization: str,
+                     join: Callable[[torch.device], RankGroups] | None = None, *, show_progress: bool = True,
+                     profiler: RuntimeProfiler | None = None, cfg: ModelConfig | None = None,
+                     platform: Platform | None = None) -> ModelShare:
+    """The platform, the ops and the loaded model of one rank; ``join``: meet the other ranks of a
+    tensor-parallel model on this device (returns its groups), then load only this rank's share."""
+    sec = s.sections
+    m, cpu = sec.model, sec.cpu
+    cfg = cfg or load_model_config(model_dir)
+    platform = platform or resolve_platform(sec.execution.device)
+    dtype = resolve_dtype(m.dtype, cfg)
+    act_dtype = platform.activation_dtype(dtype)
+    max_model_len = m.max_model_len or cfg.max_position_embeddings
+    quant = QuantFormat(m.quantization, m.int4_group_size, lm_head_quantization, m.int8_group_size)
+    ops = platform.build_ops(cpu, quant, profiler, m.cache_dir, dtype)
+    groups = join(platform.device) if join is not None else None
+    model = load_model(model_dir, cfg, dtype=dtype, platform=platform, ops=ops,
+                       max_positions=max(max_model_len, cfg.max_position_embeddings),
+                       pipeline_workers=m.weight_load_pipeline_workers, activation_dtype=act_dtype,
+                       int4_cache=Int4CacheOptions(not m.disable_int4_cache, m.int4_cache_dir,
+                                                   m.int4_cache_load_workers, m.cache_dir),
+                       show_progress=show_progress, huge_pages=cpu.cpu_huge_pages,
+                       tensor_parallel=TensorParallelLoad(groups.shard, groups.comm) if groups else None)
+    specs = with_kv_cache_dtype(model.cache_specs(act_dtype), sec.cache.kv_cache_dtype)
+    return ModelShare(platform, dtype, act_dtype, ops, model, specs, groups)
 
 
 def build_engine_parts(s: ResolvedSettings, show_progress: bool = True, recalibrate: bool = False) -> EngineParts:
     """``recalibrate``: measure the host's routing thresholds again (anna tune), not read them."""
-    sec = s.sections
-    m, c, sch, ex, cpu = sec.model, sec.cache, sec.scheduler, sec.execution, sec.cpu
+    started: list[WorkerGroup] = []  # the other ranks of a tensor-parallel model, stopped if the build fails
+    try:
+        return _build_engine_parts(s, show_progress, recalibrate, started)
+    except BaseException:
+        for workers in started:
+            workers.close()
+        raise
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """The model directory a setting names, made ready (the demo model written, a GGUF's metadata
+    as a directory), its config and the quantization resolved from it."""
+
+    settings: ResolvedSettings
+    model_dir: str
+    is_demo: bool
+    config: ModelConfig
+    lm_head_quantization: str
+
+
+def resolve_model_source(s: ResolvedSettings) -> ModelSource:
+    m = s.sections.model
     is_demo = m.model is None
     model_dir = str(ensure_demo_model(m.cache_dir)) if is_demo else m.model
     if is_demo:
@@ -87,7 +152,26 @@ def build_engine_parts(s: ResolvedSettings, show_progress: bool = True, recalibr
         model_dir = str(prepare_gguf_model(gguf_file, m.cache_dir, need_tokenizer=not m.tokenizer))
     cfg = load_model_config(model_dir)
     s, lm_head_quantization = _resolve_quantization(s, cfg, model_dir)
-    m = s.sections.model
+    return ModelSource(s, model_dir, is_demo, cfg, lm_head_quantization)
+
+
+def serve_node_ranks(s: ResolvedSettings) -> int:
+    """A node other than 0 of a tensor-parallel model: run this node's ranks until they end."""
+    source = resolve_model_source(s)
+    TensorParallelShard(0, s.tensor_parallel_size).check(source.config)
+    return serve_node(source.settings, source.model_dir, source.lm_head_quantization)
+
+
+def _build_engine_parts(s: ResolvedSettings, show_progress: bool, recalibrate: bool,
+                        started: list[WorkerGroup]) -> EngineParts:
+    if s.node_rank > 0:
+        raise ValueError(f"node_rank: node {s.node_rank} runs only its ranks' share of the model (anna serve "
+                         f"--node-rank {s.node_rank} does that); the engine runs on node 0")
+    source = resolve_model_source(s)
+    s, model_dir, is_demo, cfg = source.settings, source.model_dir, source.is_demo, source.config
+    lm_head_quantization = source.lm_head_quantization
+    sec = s.sections
+    m, c, sch, ex, cpu = sec.model, sec.cache, sec.scheduler, sec.execution, sec.cpu
     spec_config = load_speculative_config(sch.speculative_config)
     if spec_config is not None and spec_config.method == "mtp":
         if not cfg.mtp_num_hidden_layers:
@@ -98,30 +182,34 @@ def build_engine_parts(s: ResolvedSettings, show_progress: bool = True, recalibr
     tokenizer = Tokenizer(m.tokenizer or model_dir)
     if m.chat_template:
         tokenizer.chat_template = load_chat_template(m.chat_template)
-    platform = resolve_platform(ex.device)
-    dtype = resolve_dtype(m.dtype, cfg)
-    act_dtype = platform.activation_dtype(dtype)
     max_model_len = m.max_model_len or cfg.max_position_embeddings
     if max_model_len > cfg.max_position_embeddings and cfg.rope_scaling is None:
         raise ValueError(f"max_model_len: {max_model_len} exceeds the model's max_position_embeddings "
                          f"({cfg.max_position_embeddings})")
     s = _resolve_output_parsers(s, tokenizer.chat_template)
     sampling_defaults = _sampling_defaults(m.generation_config, model_dir)
+    platform = resolve_platform(ex.device)
     profiler = RuntimeProfiler(platform) if ex.profile_runtime else None
-    quant = QuantFormat(m.quantization, m.int4_group_size, lm_head_quantization, m.int8_group_size)
-    ops = platform.build_ops(cpu, quant, profiler, m.cache_dir, dtype)
-    model = load_model(model_dir, cfg, dtype=dtype, platform=platform, ops=ops,
-                       max_positions=max(max_model_len, cfg.max_position_embeddings),
-                       pipeline_workers=m.weight_load_pipeline_workers, activation_dtype=act_dtype,
-                       int4_cache=Int4CacheOptions(not m.disable_int4_cache, m.int4_cache_dir,
-                                                   m.int4_cache_load_workers, m.cache_dir),
-                       show_progress=show_progress, huge_pages=cpu.cpu_huge_pages)
+    workers = join = None
+    if s.tensor_parallel_size > 1:
+        s, layout = check_tensor_parallel(s, cfg, spec_config)
+        workers = WorkerGroup.start(layout, s, model_dir, lm_head_quantization)
+        started.append(workers)
+        join = partial(join_group, workers.layout, 0)
+        ex, c = s.sections.execution, s.sections.cache
+    share = load_model_share(s, model_dir, lm_head_quantization, join, show_progress=show_progress,
+                             profiler=profiler, cfg=cfg, platform=platform)
+    platform, dtype, act_dtype, ops, model, specs = (share.platform, share.dtype, share.activation_dtype, share.ops,
+                                                     share.model, share.specs)
     calibration = platform.calibrate(model, ops, cpu, cache_dir=m.cache_dir, refresh=recalibrate,
                                      max_chunk=sch.max_num_batched_tokens) if cpu.calibrate or recalibrate else None
     s = _apply_calibration(s, ops, calibration)
     sch = s.sections.scheduler
     log.info("Resolved settings:\n%s", s.table())
-    specs = with_kv_cache_dtype(model.cache_specs(act_dtype), c.kv_cache_dtype)
+    if workers is not None:
+        workers.attach(share.groups)
+        workers.send("set_routing", ops.routing)
+        log.info(describe_layout(workers.layout, cfg, model.config, threads_per_rank(workers.layout)))
 
     def decode_executor_for(m: torch.nn.Module):
         return platform.decode_executor(ex.decode_executor, m, ops, profiling=profiler is not None,
@@ -145,6 +233,9 @@ def build_engine_parts(s: ResolvedSettings, show_progress: bool = True, recalibr
     executor_name = "graph" if executor is not None else "eager"
     log.info("Decode executor: %s", executor_name)
     profile_tokens = min(sch.max_num_batched_tokens, max_model_len)  # the largest prefill one step runs
+    if workers is not None and platform.measures_activation_peak:  # the profile's collectives meet on every rank
+        workers.send("profile", "profile_activation_peak", profile_tokens, min(sch.max_num_seqs, profile_tokens),
+                     c.block_size)
     peak = profile_activation_peak(model, specs, platform, profile_tokens, min(sch.max_num_seqs, profile_tokens),
                                    c.block_size)
     workspace = profile_decode_peak(model, specs, platform, sch.max_num_seqs, max_model_len, c.block_size) \
@@ -155,8 +246,11 @@ def build_engine_parts(s: ResolvedSettings, show_progress: bool = True, recalibr
                        weights=module_bytes(model), activation_peak=peak, profile_tokens=profile_tokens,
                        workspace_bytes=workspace or 0, state_snapshots=_state_snapshots(c, sch),
                        snapshots_auto=c.state_snapshots < 0,
-                       state_checkpoints=_state_checkpoints(spec_config, sch.max_num_seqs))
-    log.info(plan.describe(max_model_len))
+                       state_checkpoints=_state_checkpoints(spec_config, sch.max_num_seqs),
+                       ranks_sharing_memory=workers.layout.ranks_per_node
+                       if workers is not None and platform.ranks_share_memory else 1)
+    log.info(plan.describe(max_model_len) + (f"\n  (per rank: each of the {s.tensor_parallel_size} ranks keeps these "
+                                             f"blocks for its own KV heads)" if workers is not None else ""))
     kv = KVCacheManager(plan.num_blocks, c.block_size, c.enable_prefix_caching)
     caches = CacheManagers(kv, StateCacheManager(plan.num_state_slots, plan.num_state_snapshots,
                                                  plan.num_state_checkpoints) if state_layers(specs) else None)
@@ -177,10 +271,11 @@ def build_engine_parts(s: ResolvedSettings, show_progress: bool = True, recalibr
     runner = ModelRunner(model, caches, platform, specs, Sampler(m.seed, platform.device, argmax=ops.argmax),
                          compile_mode=compile_mode, compile_fullgraph=ex.compile_fullgraph, decode_executor=executor,
                          huge_pages=cpu.cpu_huge_pages, profiler=profiler, max_model_len=max_model_len,
-                         speculative=speculative)
+                         speculative=speculative, workers=workers)
     floor = c.memory_release_min_free_mib if c.memory_release_min_free_mib >= 0 else c.min_free_memory_mib
     memory = MemoryReleaser(kv, runner.kv_caches, prompt_cache, platform, c.kv_release_chunk_blocks,
-                            ReleasePolicy(c.memory_release_sweep_interval_s, floor, c.memory_release_max_gap_mib))
+                            ReleasePolicy(c.memory_release_sweep_interval_s, floor, c.memory_release_max_gap_mib),
+                            workers)
     eos = frozenset(cfg.eos_token_ids or ([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []))
     structured = StructuredOutputCompiler(tokenizer.to_json(), cfg.vocab_size, sorted(eos),
                                           cache_size=m.structured_output_cache_size,
@@ -194,7 +289,48 @@ def build_engine_parts(s: ResolvedSettings, show_progress: bool = True, recalibr
     inputs = InputProcessor(tokenizer, cfg, max_model_len, eos, structured, sync_every, sampling_defaults)
     return EngineParts(s, model_dir, is_demo, cfg, tokenizer, platform, dtype, act_dtype, max_model_len, profiler,
                        ops, executor_name, compile_mode, plan, kv, caches, prompt_cache, stats, scheduler, runner,
-                       memory, inputs, calibration)
+                       memory, inputs, calibration, workers)
+
+
+def check_tensor_parallel(s: ResolvedSettings, cfg: ModelConfig,
+                          spec_config: SpeculativeConfig | None) -> tuple[ResolvedSettings, ParallelLayout]:
+    """Refuse what a tensor-parallel engine does not run (naming the setting); turn off what runs
+    on one rank only (the fused CPU decode stack and CUDA graphs, which have no collectives inside;
+    torch.compile), saying so in the settings table."""
+    layout = ParallelLayout.from_settings(s.sections.parallel)
+    TensorParallelShard(0, layout.size).check(cfg)
+    if spec_config is not None and spec_config.method != "ngram":
+        raise ValueError(f"speculative_config: method {spec_config.method} runs a second model, which is not split "
+                         f"across tensor-parallel ranks yet; ngram works with tensor_parallel_size > 1")
+    if s.prompt_cache_size > 0:
+        raise ValueError("prompt_cache_size: the exact prompt cache keeps one rank's KV; with tensor_parallel_size > 1 "
+                         "repeated prompts are served by prefix caching (prompt_cache_size 0 or -1)")
+    why = "tensor parallel: the ranks' collectives run between the layers"
+    if s.decode_executor == "graph":
+        raise ValueError("decode_executor: graph (the fused CPU decode stack, CUDA graphs) has no collectives "
+                         "between its layers; use eager or auto with tensor_parallel_size > 1")
+    if s.decode_executor == "auto":
+        s = s.with_value("decode_executor", "eager", f"{s.sources['decode_executor']}: auto, {why}")
+    if s.compile_mode not in ("none", "auto"):
+        raise ValueError("compile_mode: torch.compile is not used with tensor_parallel_size > 1 yet (none or auto)")
+    if s.compile_mode == "auto":
+        s = s.with_value("compile_mode", "none", f"{s.sources['compile_mode']}: auto, {why}")
+    return s, layout.with_free_port()
+
+
+def describe_layout(layout: ParallelLayout, cfg: ModelConfig, local: ModelConfig, threads: int) -> str:
+    """The start-up log's rank layout: where the ranks are and what each keeps."""
+    kv = f"{local.num_key_value_heads} of {cfg.num_key_value_heads}" + \
+        (" (replicated)" if cfg.num_key_value_heads < layout.size else "")
+    lines = [f"{layout.size} ranks on {layout.nnodes} node(s) ({layout.ranks_per_node} per node, "
+             f"{layout.backend}), meeting at {layout.master_addr}:{layout.master_port}; rank 0 here, "
+             f"{threads} CPU thread(s) per rank on CPU",
+             f"each rank: {local.num_attention_heads} of {cfg.num_attention_heads} query heads, {kv} KV heads, "
+             f"{local.intermediate_size} of {cfg.intermediate_size} MLP columns"
+             + (f", {local.moe.intermediate_size} of {cfg.moe.intermediate_size} columns of each of "
+                f"{cfg.moe.num_experts} experts" if cfg.moe else "")
+             + f", {local.vocab_size} of {cfg.vocab_size} vocabulary rows; each logs its own weight bytes"]
+    return "Tensor parallel:\n" + "\n".join(f"  {line}" for line in lines)
 
 
 def _apply_calibration(s: ResolvedSettings, ops: ModelOps, calibration: Any) -> ResolvedSettings:

@@ -69,6 +69,17 @@ class LLMEngine:
         self.memory = parts.memory
         self.inputs = parts.inputs
         self.outputs = OutputProcessor()
+        self.workers = parts.workers
+
+    def check_ranks(self) -> None:
+        """Raise EngineDeadError if another rank of a tensor-parallel model has ended."""
+        if self.workers is not None and self.workers.dead is not None:
+            raise EngineDeadError(f"the engine cannot run any more: {self.workers.dead}")
+
+    def shutdown(self) -> None:
+        """Stop the other ranks of a tensor-parallel model (nothing to do on one device)."""
+        if self.workers is not None:
+            self.workers.close()
 
     # ---- what the parts hold, for callers ----
     @property

@@ -83,13 +83,15 @@ def plan_caches(specs: list[CacheSpec], platform: Platform, *, block_size: int, 
                 kv_cache_memory_gib: float, num_blocks_override: int, memory_utilization: float, max_num_seqs: int,
                 weights: dict[str, int] | None = None, activation_peak: int | None = None, profile_tokens: int = 0,
                 workspace_bytes: int = 0, state_snapshots: int = 0, snapshots_auto: bool = False,
-                state_checkpoints: int = 0) -> CachePlan:
+                state_checkpoints: int = 0, ranks_sharing_memory: int = 1) -> CachePlan:
     """Size the caches, step by step: weights, the profile run's activation peak, the platform's
     memory and the utilization fraction, the compile/graph workspace; the per-sequence state of
     max_num_seqs sequences and ``state_snapshots`` snapshots first, the rest for paged KV.
     ``snapshots_auto``: the snapshot count is a default, capped at SNAPSHOT_BUDGET_SHARE of the
     budget (a large model's states are tens of MiB each). ``state_checkpoints``: speculative
-    decoding's states of verified tokens (state_cache.py), reserved like the slots."""
+    decoding's states of verified tokens (state_cache.py), reserved like the slots.
+    ``ranks_sharing_memory``: tensor-parallel ranks whose caches come out of the same memory (CPU
+    ranks on one host): each plans its own caches in an equal share of the automatic budget."""
     per_token = kv_bytes_per_token(specs)
     per_seq = state_bytes_per_sequence(specs)
     slots = max_num_seqs if per_seq else 0
@@ -122,6 +124,10 @@ def plan_caches(specs: list[CacheSpec], platform: Platform, *, block_size: int, 
                                        + state_bytes)
             budget, source = found.bytes, found.source
             steps += found.steps
+            if ranks_sharing_memory > 1:
+                budget //= ranks_sharing_memory
+                source += f", shared by {ranks_sharing_memory} ranks"
+                steps.append(f"each of the {ranks_sharing_memory} ranks on this host: {budget / GIB:.2f} GiB")
         if snapshots_auto and per_seq and snapshots * per_seq > SNAPSHOT_BUDGET_SHARE * budget:
             snapshots = int(SNAPSHOT_BUDGET_SHARE * budget // per_seq)
             state_bytes = (slots + snapshots + checkpoints) * per_seq

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -34,11 +35,20 @@ class ReleasePolicy:
     max_gap_mib: float = 1024.0  # release when resident-but-unused KV exceeds this; 0: off
 
 
+def release_blocks(platform: Platform, kv_caches: list, first: int, count: int) -> int:
+    """Hand the memory of blocks [first, first + count) of every paged layer back; bytes returned."""
+    return sum(platform.release_pages(k, first, count) + platform.release_pages(v, first, count)
+               for k, v in kv_caches)
+
+
 class MemoryReleaser:
     def __init__(self, kv: KVCacheManager, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                 prompt_cache: PromptCache, platform: Platform, chunk_blocks: int, policy: ReleasePolicy) -> None:
-        """``kv_caches``: the (K, V) tensors of the paged layers, whose rows are blocks."""
+                 prompt_cache: PromptCache, platform: Platform, chunk_blocks: int, policy: ReleasePolicy,
+                 workers: Any = None) -> None:
+        """``kv_caches``: the (K, V) tensors of the paged layers, whose rows are blocks. ``workers``:
+        the other ranks of a tensor-parallel model, which return the same blocks' memory."""
         self.kv, self.kv_caches, self.prompt_cache, self.platform = kv, kv_caches, prompt_cache, platform
+        self.workers = workers
         self.chunk_blocks = max(1, chunk_blocks)
         self.policy = policy
         self.block_bytes = sum(k[0].numel() * k.element_size() + v[0].numel() * v.element_size() for k, v in kv_caches)
@@ -77,18 +87,21 @@ class MemoryReleaser:
     def release(self, reason: str) -> dict[str, int]:
         """Return every idle chunk, evict the prompt cache, empty the allocator cache."""
         chunks = evicted = dropped = 0
+        released = []
         for chunk in sorted(self.resident):
             if self._chunk_in_use(chunk):
                 continue
             first = chunk * self.chunk_blocks
             count = min(self.chunk_blocks, self.kv.num_blocks - first)
             evicted += self.kv.pool.uncache(range(first, first + count))
-            for k, v in self.kv_caches:
-                dropped += self.platform.release_pages(k, first, count) + self.platform.release_pages(v, first, count)
+            dropped += release_blocks(self.platform, self.kv_caches, first, count)
+            released.append((first, count))
             self.resident.discard(chunk)
             chunks += 1
         entries = self.prompt_cache.clear()
         self.platform.empty_cache()
+        if self.workers is not None and released:
+            self.workers.send("release_blocks", released)
         self.releases += 1
         freed = {"kv_chunks": chunks, "kv_bytes": dropped, "prefix_blocks_evicted": evicted,
                  "prompt_cache_entries": entries}

@@ -8,6 +8,7 @@ forward, eager or compiled.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -57,6 +58,52 @@ PROMPT_LOGPROBS_ROWS = 256  # prompt positions per lm_head call: bounds the [row
 
 
 @dataclass
+class StepTensors:
+    """A forward pass's inputs as host values, from which the attention metadata is built: what
+    rank 0 sends the other ranks of a tensor-parallel engine, each of which builds the same."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slots: torch.Tensor  # every new token's cache slot
+    starts: list[int]  # per row (a decode) or chunk: tokens computed before this step
+    lens: list[int]  # and new tokens
+    tables: torch.Tensor  # padded block tables [rows, max_blocks]
+    state_slots: list[int] | None = None  # recurrent layers: where each row or chunk leaves its state
+    state_src_slots: list[int] | None = None  # and, verifying proposals, where decode rows start from
+    fresh_state_slots: list[int] | None = None  # slots of sequences starting from their first token
+
+    def metadata(self, block_size: int, sliding_window: int | None, device: torch.device) -> AttentionMetadata:
+        meta = build_metadata(self.slots, self.starts, self.lens, self.tables, block_size, sliding_window, device)
+        if self.state_slots is not None:
+            meta.state_slots = torch.tensor(self.state_slots, dtype=torch.long, device=device)
+        if self.state_src_slots is not None:
+            meta.state_src_slots = torch.tensor(self.state_src_slots, dtype=torch.long, device=device)
+        return meta
+
+    def fresh_slots(self, device: torch.device) -> torch.Tensor | None:
+        return torch.tensor(self.fresh_state_slots, dtype=torch.long, device=device) if self.fresh_state_slots \
+            else None
+
+
+def zero_states(layer_caches: list, slots: torch.Tensor) -> None:
+    """Zero these slots of every recurrent layer's state (a sequence's first step)."""
+    for cache in layer_caches:
+        if isinstance(cache, dict):
+            for tensor in cache.values():
+                tensor.index_fill_(0, slots, 0)
+
+
+def copy_state_slots(layer_caches: list, src: list[int], dst: list[int], device: torch.device) -> None:
+    """state[dst] = state[src] in every recurrent layer."""
+    src_t = torch.tensor(src, dtype=torch.long, device=device)
+    dst_t = torch.tensor(dst, dtype=torch.long, device=device)
+    for cache in layer_caches:
+        if isinstance(cache, dict):
+            for tensor in cache.values():
+                tensor[dst_t] = tensor[src_t]
+
+
+@dataclass
 class ModelInputs:
     input_ids: torch.Tensor
     positions: torch.Tensor
@@ -67,6 +114,7 @@ class ModelInputs:
     # recurrent layers: per request (batch index) verifying proposals, where its states after each
     # token are kept (see ModelRunner._checkpoints)
     state_checkpoints: dict[int, list[int]] = field(default_factory=dict)
+    step: StepTensors | None = None  # the host values the metadata was built from
 
 
 def allocate_caches(specs: list[CacheSpec], platform: Platform, *, num_blocks: int, block_size: int,
@@ -94,12 +142,16 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, caches: CacheManagers, platform: Platform, specs: list[CacheSpec],
                  sampler: Sampler, *, compile_mode: str = "none", compile_fullgraph: bool = False,
                  decode_executor: Any = None, huge_pages: bool = False, profiler: Any = None,
-                 max_model_len: int = 1 << 62, speculative: SpeculativeDecoder | None = None) -> None:
+                 max_model_len: int = 1 << 62, speculative: SpeculativeDecoder | None = None,
+                 workers: Any = None) -> None:
         """``decode_executor``: the platform's executor of decode-only steps, or None (eager); it may
         ask for spare KV blocks (CUDA graphs' padded rows write into one). ``huge_pages``: on CPU,
         the caches live on transparent huge pages (platforms/cpu/host_memory.py). ``speculative``:
-        the proposer of the tokens each step verifies (speculative decoding), or None."""
+        the proposer of the tokens each step verifies (speculative decoding), or None. ``workers``:
+        the other ranks of a tensor-parallel model (parallel/workers.py's WorkerGroup), which run
+        every forward pass, logits and state copy with this rank; None on one device."""
         self.model = model
+        self.workers = workers
         self.max_model_len = max_model_len
         self.speculative = speculative
         self.num_speculative_tokens = speculative.config.num_speculative_tokens if speculative else 0
@@ -127,6 +179,9 @@ class ModelRunner:
             self.kv_caches += proposer_caches  # (a block's rows of both are released and cached together)
         if decode_executor is not None:
             decode_executor.attach(self.layer_caches, pad_block=self.kv.num_blocks)
+        if workers is not None:  # the same caches on every rank, each of its own KV heads
+            workers.send("allocate_caches", self.kv.num_blocks + spare, self.kv.block_size,
+                         caches.state.total_slots if caches.state else 0)
 
     def prepare(self, requests: list[Request], num_new_tokens: list[int],
                 spec_token_ids: list[list[int]] | None = None) -> ModelInputs:
@@ -175,19 +230,19 @@ class ModelRunner:
             last_rows.append(len(ids) - 1)
         dev = self.device
         positions, table_tensor, slots = token_slots(starts, lens, tables, bs)
-        meta = build_metadata(slots, starts, lens, table_tensor, bs, self.model.config.sliding_window, dev)
-        fresh = None
+        step = StepTensors(torch.tensor(ids, dtype=torch.long), positions, slots, starts, lens, table_tensor)
         if state is not None:
-            meta.state_slots = torch.tensor(state_dst, dtype=torch.long, device=dev)
+            step.state_slots = state_dst
             if checkpoints:
-                meta.state_src_slots = torch.tensor(state_src[:meta.num_decode_tokens], dtype=torch.long, device=dev)
-            first = [slot for slot, start in zip(state_dst, starts) if start == 0]
-            fresh = torch.tensor(first, dtype=torch.long, device=dev) if first else None
-        input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
+                step.state_src_slots = state_src[:sum(1 for n in lens if n == 1)]
+            step.fresh_state_slots = [slot for slot, start in zip(state_dst, starts) if start == 0]
+        meta = step.metadata(bs, self.model.config.sliding_window, dev)
+        input_ids = step.input_ids.to(dev)
         if on_device:
             where = torch.tensor([flat for flat, _ in on_device], device=dev)
             input_ids[where] = torch.stack([t[row] for _, (t, row) in on_device])
-        return ModelInputs(input_ids, positions.to(dev), meta, order, last_rows, fresh, checkpoints)
+        return ModelInputs(input_ids, positions.to(dev), meta, order, last_rows, step.fresh_slots(dev), checkpoints,
+                           step)
 
     def _checkpoints(self, order: list[int], spec: list[list[int]]) -> dict[int, list[int]]:
         """For recurrent layers: per request (batch index) that verifies k proposals, k checkpoint
@@ -211,11 +266,10 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, inputs: ModelInputs) -> torch.Tensor:
         """Hidden states of every scheduled token, in model order."""
+        if self.workers is not None:  # the tokens as they are now (a pending one filled in on the device)
+            self.workers.send("forward", dataclasses.replace(inputs.step, input_ids=inputs.input_ids.cpu()))
         if inputs.fresh_state_slots is not None:  # a sequence's first step starts from a zero state
-            for cache in self.layer_caches:
-                if isinstance(cache, dict):
-                    for tensor in cache.values():
-                        tensor.index_fill_(0, inputs.fresh_state_slots, 0)
+            zero_states(self.layer_caches, inputs.fresh_state_slots)
         executor = self.decode_executor
         with self.platform.numerics():
             if executor is not None and executor.applies(inputs.meta, inputs.input_ids.shape[0], self.layer_caches):
@@ -275,15 +329,21 @@ class ModelRunner:
         every recurrent layer."""
         if not copies:
             return
-        src = torch.tensor([c.src for c in copies], dtype=torch.long, device=self.device)
-        dst = torch.tensor([c.dst for c in copies], dtype=torch.long, device=self.device)
-        for cache in self.layer_caches:
-            if isinstance(cache, dict):
-                for tensor in cache.values():
-                    tensor[dst] = tensor[src]
+        src, dst = [c.src for c in copies], [c.dst for c in copies]
+        if self.workers is not None:
+            self.workers.send("copy_states", src, dst)
+        copy_state_slots(self.layer_caches, src, dst, self.device)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits of these hidden states (every rank computes its slice of the vocabulary)."""
+        if self.workers is not None:
+            self.workers.send("compute_logits", hidden.cpu())
+        return self.model.compute_logits(hidden)
 
     def check_device(self) -> None:
-        """Raise if the device can no longer run anything (after a failed step)."""
+        """Raise if the device (or another rank) can no longer run anything (after a failed step)."""
+        if self.workers is not None:
+            self.workers.check()
         self.platform.synchronize()
 
     def read_back(self, refs: list[tuple[torch.Tensor, int]]) -> list[int]:
@@ -307,7 +367,7 @@ class ModelRunner:
             try:
                 for a in range(start, end, PROMPT_LOGPROBS_ROWS):
                     b = min(a + PROMPT_LOGPROBS_ROWS, end)
-                    logits = self.model.compute_logits(hidden[first_row + a - start:first_row + b - start])
+                    logits = self.compute_logits(hidden[first_row + a - start:first_row + b - start])
                     entries += token_logprobs(logits, req.all_token_ids[a + 1:b + 1], [k] * (b - a))
             except Exception as exc:  # this request's alone: the others keep theirs
                 log.exception("prompt logprobs failed for request %s", req.request_id)
@@ -328,7 +388,7 @@ class ModelRunner:
         proposals = [spec[i] for _, i in sampling]
         rows = [list(range(inputs.logits_indices[pos] - len(spec[i]), inputs.logits_indices[pos] + 1))
                 for pos, i in sampling]
-        logits = self.model.compute_logits(hidden[torch.tensor([r for rs in rows for r in rs], device=self.device)])
+        logits = self.compute_logits(hidden[torch.tensor([r for rs in rows for r in rs], device=self.device)])
         with nullcontext() if self.profiler is None else self.profiler.region("sampling"):
             if any(proposals):
                 return self._verify(logits, rows, reqs, proposals, [i for _, i in sampling], failed, accepted)

@@ -91,6 +91,7 @@ class AsyncEngine:
         self._stop = True
         self._wake.set()
         self._thread.join(timeout=10)
+        self.engine.shutdown()
 
     # ---- loop thread ----
     def _apply_commands(self) -> None:
@@ -148,6 +149,7 @@ class AsyncEngine:
         self._last_stats_steps = 0
         try:
             while not self._stop:
+                engine.check_ranks()  # a tensor-parallel rank that ended ends the server, idle or not
                 self._log_stats()
                 if not engine.has_unfinished_requests() and self._commands.empty():
                     engine.release_idle_memory(periodic=True)

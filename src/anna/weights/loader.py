@@ -24,6 +24,7 @@ from tqdm import tqdm
 from anna.model.config import ModelConfig, ModelLoadError
 from anna.model.ops import ModelOps
 from anna.model.registry import model_class
+from anna.parallel.sharding import Collectives, TensorParallelShard
 from anna.platforms import Platform
 from anna.weights import int4_cache as int4_cache_mod
 from anna.weights.gguf_checkpoint import GGUF_LM_HEAD_KEY, LINK_NAME, GGUFTensors, describe_conversion
@@ -106,6 +107,14 @@ def _read_shard(path: Path) -> dict[str, torch.Tensor]:
         raise ModelLoadError(f"{path}: cannot read safetensors file ({exc})") from None
 
 
+@dataclass(frozen=True)
+class TensorParallelLoad:
+    """Which rank's share to load, and the collectives its layers sum and gather through."""
+
+    shard: TensorParallelShard
+    comm: Collectives
+
+
 @dataclass
 class Int4CacheOptions:
     enabled: bool = True
@@ -117,15 +126,20 @@ class Int4CacheOptions:
 def load_model(model_dir: str | Path, cfg: ModelConfig, *, dtype: torch.dtype, platform: Platform, ops: ModelOps,
                max_positions: int, pipeline_workers: int = 2, activation_dtype: torch.dtype | None = None,
                show_progress: bool = True, int4_cache: Int4CacheOptions | None = None,
-               huge_pages: bool = False) -> torch.nn.Module:
+               huge_pages: bool = False, tensor_parallel: TensorParallelLoad | None = None) -> torch.nn.Module:
     """Build the registry's model class for the config's architecture, with ``ops``, and fill it.
-    ``huge_pages``: on CPU, the loaded weights move onto transparent huge pages."""
+    ``huge_pages``: on CPU, the loaded weights move onto transparent huge pages. ``tensor_parallel``:
+    build and load only this rank's share (parallel/sharding.py)."""
     model_dir = Path(model_dir)
     files = checkpoint_files(model_dir)
     start = time.perf_counter()
     device = platform.device
+    shard = tensor_parallel.shard if tensor_parallel is not None else None
     with torch.device(device):
-        model = model_class(cfg.architecture)(cfg, dtype, max_positions, ops, activation_dtype)
+        model = model_class(cfg.architecture)(shard.local_config(cfg) if shard else cfg, dtype, max_positions, ops,
+                                              activation_dtype)
+    if shard is not None:
+        shard.apply(model, cfg, tensor_parallel.comm)
     entry = None
     cache = int4_cache or Int4CacheOptions()
     if ops.quant.method == "int4" and cache.enabled:
@@ -134,7 +148,8 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, *, dtype: torch.dtype, p
                                                 platform.kernel_layout(ops),
                                                 (*(("mtp",) if cfg.load_mtp else ()),
                                                  *((f"lm_head:{ops.quant.lm_head_method}:{ops.quant.int8_group_size}",)
-                                                   if ops.quant.lm_head_method else ())))
+                                                   if ops.quant.lm_head_method else ()),
+                                                 *((f"tp:{shard.rank}/{shard.size}",) if shard else ())))
         state = int4_cache_mod.load_entry(entry, cache.load_workers)
         if state is not None:
             model.load_state_dict(state, strict=True)

@@ -52,6 +52,7 @@ _LIBC = _libc()
 class CpuPlatform(Platform):
     name = "cpu"  # auto_compile_mode stays none: the fused C decode stack is what torch.compile cannot see into
     measures_activation_peak = False  # the KV budget is a share of RAM, not what activations leave over
+    ranks_share_memory = True  # tensor-parallel ranks on one host plan their KV in the same RAM
     pages_on_demand = True
 
     def activation_dtype(self, weight_dtype: torch.dtype) -> torch.dtype:
