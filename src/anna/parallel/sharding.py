@@ -18,7 +18,6 @@ The attention block's and the MLP block's outputs are all-reduced (one sum each 
 from __future__ import annotations
 
 import dataclasses
-import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -27,6 +26,7 @@ from torch import nn
 
 from anna.model.config import ModelConfig
 from anna.model.quantization import PackedWeight, dense, quantize_int8
+from anna.parallel.collectives import Collectives
 
 
 Ranges = tuple[tuple[int, int], ...]  # (first row, rows) runs of a tensor, taken in order
@@ -90,38 +90,6 @@ def narrow_cols(tensor: torch.Tensor | PackedWeight, start: int, length: int) ->
     per_byte = 2 if tensor.method == "int4" else 1
     return PackedWeight(tensor.method, tensor.values[:, start // per_byte:(start + length) // per_byte],
                         tensor.scales[:, start // tensor.group:(start + length) // tensor.group], tensor.group)
-
-
-class Collectives:
-    """The sums and gathers across the ranks of the tensor-parallel group (torch.distributed).
-    Counts its calls, bytes and wall time (waiting for the slowest rank included), which the
-    tensor-parallel benchmark reports per step."""
-
-    def __init__(self, size: int, group=None) -> None:
-        self.size = size
-        self.group = group
-        self.calls = self.bytes = 0
-        self.seconds = 0.0
-
-    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        start = time.perf_counter()
-        torch.distributed.all_reduce(x, group=self.group)
-        self._count(x, start)
-        return x
-
-    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
-        """The ranks' tensors side by side along the last dimension, in rank order."""
-        start = time.perf_counter()
-        x = x.contiguous()
-        parts = [torch.empty_like(x) for _ in range(self.size)]
-        torch.distributed.all_gather(parts, x, group=self.group)
-        self._count(x, start)
-        return torch.cat(parts, dim=-1)
-
-    def _count(self, x: torch.Tensor, start: float) -> None:
-        self.seconds += time.perf_counter() - start
-        self.calls += 1
-        self.bytes += x.numel() * x.element_size()
 
 
 @dataclass

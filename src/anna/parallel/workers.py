@@ -6,8 +6,8 @@ other rank runs ``run_worker``: it loads its share of the model, allocates the s
 its own KV heads), then repeats what rank 0 tells it, one command per model call of rank 0's
 runner (``forward``, ``compute_logits``, ``copy_states``), so that the collectives inside the
 model meet. The model's sums and gathers go through torch.distributed's default group (gloo on
-CPU, NCCL on CUDA, XCCL on XPU where torch has it); commands go through a gloo group of their own
-whose wait has no practical limit (an idle server sends none).
+CPU, NCCL on CUDA, XCCL on XPU where torch has it; ranks on one host's CPU through shared memory,
+parallel/collectives.py); commands through a channel of their own (parallel/channels.py).
 
 Ranks start as processes of this node (``mp``; other nodes run ``anna serve --node-rank N``,
 which starts theirs) or as Ray actors (``ray``). A rank that ends ends the engine: rank 0 notices
@@ -27,19 +27,23 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
-from anna.parallel.sharding import Collectives, TensorParallelShard
+from anna.parallel.channels import GlooChannel, SharedMemoryChannel
+from anna.parallel.collectives import Collectives, SharedMemoryCollectives
+from anna.parallel.sharding import TensorParallelShard
 
 log = logging.getLogger(__name__)
 
 COLLECTIVE_TIMEOUT = timedelta(minutes=10)  # a rank that stops answering inside a step
 COMMAND_TIMEOUT = timedelta(days=365)  # waiting for rank 0's next command: an idle server sends none
+SHARED_MEMORY_DIR = "/dev/shm"
 
 
 @dataclass(frozen=True)
@@ -109,21 +113,31 @@ class RankGroups:
 
     rank: int
     comm: Collectives
-    commands: Any  # the gloo group of rank 0's commands
+    commands: GlooChannel  # rank 0's commands
 
     @property
     def shard(self) -> TensorParallelShard:
         return TensorParallelShard(self.rank, self.comm.size)
 
 
-def join_group(layout: ParallelLayout, rank: int, device: torch.device) -> RankGroups:
-    """Meet the other ranks at node 0's address (blocks until all have come)."""
+def join_group(layout: ParallelLayout, rank: int, device: torch.device,
+               alive: Callable[[], bool] | None = None) -> RankGroups:
+    """Meet the other ranks at node 0's address (blocks until all have come). Ranks that all run
+    on this host's CPU sum through shared memory (parallel/collectives.py); ``alive`` tells such
+    a rank, while it waits for the others, whether they can still come."""
     if device.type == "cuda":  # a Ray actor sees only the GPU Ray gave it
         torch.cuda.set_device(0 if layout.backend == "ray" and rank else rank % layout.ranks_per_node)
     dist.init_process_group(collective_backend(device), init_method=f"tcp://{layout.master_addr}:{layout.master_port}",
                             rank=rank, world_size=layout.size, timeout=COLLECTIVE_TIMEOUT)
-    commands = dist.new_group(backend="gloo", timeout=COMMAND_TIMEOUT)
-    return RankGroups(rank, Collectives(layout.size), commands)
+    group = dist.new_group(backend="gloo", timeout=COMMAND_TIMEOUT)
+    if layout.nnodes == 1 and layout.backend == "mp" and os.path.isdir(SHARED_MEMORY_DIR):
+        box = [os.path.join(SHARED_MEMORY_DIR, f"anna-tp-{os.getpid()}-{uuid.uuid4().hex}") if rank == 0 else None]
+        dist.broadcast_object_list(box, src=0, group=group)
+        commands = SharedMemoryChannel(group, box[0] + "-commands", rank, layout.size, alive)
+        comm = SharedMemoryCollectives(layout.size, rank, box[0], alive) if device.type == "cpu" \
+            else Collectives(layout.size)
+        return RankGroups(rank, comm, commands)
+    return RankGroups(rank, Collectives(layout.size), GlooChannel(group))
 
 
 def leave_group() -> None:
@@ -218,14 +232,14 @@ def run_worker(spec: WorkerSpec) -> None:
                         format=f"%(asctime)s %(levelname)s rank {spec.rank} %(name)s: %(message)s")
     torch.set_num_threads(threads_per_rank(spec.layout))
     try:
+        parent = os.getppid()  # rank 0, or this node's `anna serve`: while it lives, the group may go on
         share = load_model_share(spec.settings, spec.model_dir, spec.lm_head_quantization,
-                                 lambda device: join_group(spec.layout, spec.rank, device), show_progress=False)
+                                 lambda device: join_group(spec.layout, spec.rank, device,
+                                                           lambda: os.getppid() == parent), show_progress=False)
         worker = ShardWorker(share.model, share.specs, share.platform, share.ops)
         groups = share.groups
         while True:
-            box = [None]
-            dist.broadcast_object_list(box, src=0, group=groups.commands)
-            name, args = box[0]
+            name, args = groups.commands.receive()
             if name == "close":
                 break
             getattr(worker, name)(*_on_device(args, share.platform.device))
@@ -284,7 +298,8 @@ class WorkerGroup:
         self.layout = layout
         self.procs = procs
         self.ray_workers = ray_workers
-        self.commands = None  # the command group, once rank 0 has joined
+        self.commands: GlooChannel | None = None  # the command channel, once rank 0 has joined
+        self.comm: Collectives | None = None  # rank 0's collectives
         self.dead: str | None = None  # why the group cannot run any more
         self._closing = False
         self._threads = torch.get_num_threads()  # rank 0's process gets its share, until close
@@ -317,17 +332,26 @@ class WorkerGroup:
 
     def attach(self, groups: RankGroups) -> None:
         self.commands = groups.commands
+        self.comm = groups.comm
 
     def check(self) -> None:
-        """Raise if a rank has ended."""
+        """Raise if a rank has ended (or the ranks can no longer be trusted to be in step)."""
         if self.dead is not None:
             raise RuntimeError(self.dead)
+
+    def broken(self, exc: BaseException) -> None:
+        """Rank 0 failed inside a model call the others are running: they may wait in a collective
+        rank 0 never reaches, and any later call would pair with the wrong one. The group is done."""
+        if self.dead is None:
+            self.dead = f"tensor-parallel rank 0 failed inside a model call the other ranks ran " \
+                        f"({type(exc).__name__}: {exc}); the ranks are out of step"
+            log.critical("%s", self.dead)
 
     def send(self, name: str, *args: Any) -> None:
         """Have every other rank run ``ShardWorker.<name>(*args)`` (host tensors in ``args``)."""
         self.check()
         try:
-            dist.broadcast_object_list([(name, args)], src=0, group=self.commands)
+            self.commands.send((name, args))
         except Exception as exc:
             raise RuntimeError(f"tensor-parallel ranks unreachable ({self.dead or exc})") from exc
 
@@ -341,14 +365,17 @@ class WorkerGroup:
                 self.send("close")
             except RuntimeError:
                 pass
-        for proc in self.procs:
+        for proc in self.procs:  # (ranks out of step may wait in a collective forever: no grace)
             try:
-                proc.popen.wait(timeout)
+                proc.popen.wait(timeout if self.dead is None else 0)
             except subprocess.TimeoutExpired:
                 proc.popen.kill()
                 proc.popen.wait()
         if self.ray_workers is not None:
             self.ray_workers.close()
+        if self.comm is not None:
+            self.comm.close()
+            self.commands.close()
         leave_group()
         torch.set_num_threads(self._threads)
 

@@ -195,7 +195,7 @@ def _build_engine_parts(s: ResolvedSettings, show_progress: bool, recalibrate: b
         s, layout = check_tensor_parallel(s, cfg, spec_config)
         workers = WorkerGroup.start(layout, s, model_dir, lm_head_quantization)
         started.append(workers)
-        join = partial(join_group, workers.layout, 0)
+        join = partial(join_group, workers.layout, 0, alive=lambda: workers.dead is None)
         ex, c = s.sections.execution, s.sections.cache
     share = load_model_share(s, model_dir, lm_head_quantization, join, show_progress=show_progress,
                              profiler=profiler, cfg=cfg, platform=platform)

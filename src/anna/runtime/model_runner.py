@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -268,13 +268,26 @@ class ModelRunner:
         """Hidden states of every scheduled token, in model order."""
         if self.workers is not None:  # the tokens as they are now (a pending one filled in on the device)
             self.workers.send("forward", dataclasses.replace(inputs.step, input_ids=inputs.input_ids.cpu()))
-        if inputs.fresh_state_slots is not None:  # a sequence's first step starts from a zero state
-            zero_states(self.layer_caches, inputs.fresh_state_slots)
-        executor = self.decode_executor
-        with self.platform.numerics():
-            if executor is not None and executor.applies(inputs.meta, inputs.input_ids.shape[0], self.layer_caches):
-                return executor.run(inputs.input_ids, inputs.positions, self.layer_caches, inputs.meta)
-            return self.model_forward(inputs.input_ids, inputs.positions, self.layer_caches, inputs.meta)
+        with self._with_workers():
+            if inputs.fresh_state_slots is not None:  # a sequence's first step starts from a zero state
+                zero_states(self.layer_caches, inputs.fresh_state_slots)
+            executor = self.decode_executor
+            with self.platform.numerics():
+                if executor is not None and executor.applies(inputs.meta, inputs.input_ids.shape[0],
+                                                             self.layer_caches):
+                    return executor.run(inputs.input_ids, inputs.positions, self.layer_caches, inputs.meta)
+                return self.model_forward(inputs.input_ids, inputs.positions, self.layer_caches, inputs.meta)
+
+    @contextmanager
+    def _with_workers(self):
+        """Around this rank's part of a model call the other ranks also run: if it fails, they
+        may be left inside it, so the tensor-parallel group is done (parallel/workers.py)."""
+        try:
+            yield
+        except BaseException as exc:
+            if self.workers is not None:
+                self.workers.broken(exc)
+            raise
 
     def _slots(self, request_id: str, num_tokens: int) -> torch.Tensor:
         bs = self.kv.block_size
@@ -332,13 +345,14 @@ class ModelRunner:
         src, dst = [c.src for c in copies], [c.dst for c in copies]
         if self.workers is not None:
             self.workers.send("copy_states", src, dst)
-        copy_state_slots(self.layer_caches, src, dst, self.device)
+        copy_state_slots(self.layer_caches, src, dst, self.device)  # (no collective: nothing to wait in)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits of these hidden states (every rank computes its slice of the vocabulary)."""
         if self.workers is not None:
             self.workers.send("compute_logits", hidden.cpu())
-        return self.model.compute_logits(hidden)
+        with self._with_workers():
+            return self.model.compute_logits(hidden)
 
     def check_device(self) -> None:
         """Raise if the device (or another rank) can no longer run anything (after a failed step)."""

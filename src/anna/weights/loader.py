@@ -24,7 +24,8 @@ from tqdm import tqdm
 from anna.model.config import ModelConfig, ModelLoadError
 from anna.model.ops import ModelOps
 from anna.model.registry import model_class
-from anna.parallel.sharding import Collectives, TensorParallelShard
+from anna.parallel.collectives import Collectives
+from anna.parallel.sharding import TensorParallelShard
 from anna.platforms import Platform
 from anna.weights import int4_cache as int4_cache_mod
 from anna.weights.gguf_checkpoint import GGUF_LM_HEAD_KEY, LINK_NAME, GGUFTensors, describe_conversion
