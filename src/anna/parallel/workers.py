@@ -136,6 +136,9 @@ def join_group(layout: ParallelLayout, rank: int, device: torch.device,
         commands = SharedMemoryChannel(group, box[0] + "-commands", rank, layout.size, alive)
         comm = SharedMemoryCollectives(layout.size, rank, box[0], alive) if device.type == "cpu" \
             else Collectives(layout.size)
+        if rank == 0:  # the segments go with the process, however it ends (rank 0 removes them)
+            atexit.register(commands.close)
+            atexit.register(comm.close)
         return RankGroups(rank, comm, commands)
     return RankGroups(rank, Collectives(layout.size), GlooChannel(group))
 
