@@ -5,24 +5,20 @@ sends nothing). Ranks that all run on one host use ``SharedMemoryChannel``: rank
 pickled command into a shared-memory mailbox and bumps its sequence number; each rank copies it
 out and acknowledges, and rank 0 writes the next one only after every rank has; a command too
 large for the mailbox is marked and goes through the gloo group instead. gloo's broadcast costs
-1.2-1.7 ms per call on a 2-core VM, twice per decode step (the forward and the logits).
+1.1-2.8 ms per call on a 2-core VM, twice per decode step (the forward and the logits).
 """
 
 from __future__ import annotations
 
-import mmap
-import os
 import pickle
-import time
 from typing import Any, Callable
 
 import numpy as np
 import torch.distributed as dist
 
+from anna.parallel.shared_memory import map_segment, remove_segment, wait_until
+
 MAILBOX_BYTES = 16 << 20  # a 2,048-token step's inputs, or 256 rows of hidden states to the lm_head
-SPIN_BEFORE_YIELD = 2000  # sequence reads before a waiting rank yields its core
-IDLE_AFTER_S = 0.05  # then it sleeps between reads: an idle server's ranks use no CPU
-IDLE_SLEEP_S = 0.0005
 ON_GLOO = -1  # the mailbox's size field when the command went through the gloo group
 
 
@@ -50,13 +46,7 @@ class SharedMemoryChannel(GlooChannel):
         self.rank, self.size, self.path = rank, size, path
         self.alive = alive or (lambda: True)
         header = 8 * (2 + size)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            if os.fstat(fd).st_size < header + MAILBOX_BYTES:
-                os.ftruncate(fd, header + MAILBOX_BYTES)
-            self._map = mmap.mmap(fd, header + MAILBOX_BYTES)
-        finally:
-            os.close(fd)
+        self._map = map_segment(path, header + MAILBOX_BYTES)
         self.meta = np.frombuffer(self._map, dtype=np.int64, count=2 + size)
         self.payload = memoryview(self._map)[header:]
         self.seq = 0
@@ -64,7 +54,7 @@ class SharedMemoryChannel(GlooChannel):
     def send(self, command: tuple) -> None:
         data = pickle.dumps(command, protocol=pickle.HIGHEST_PROTOCOL)
         for r in range(1, self.size):  # every rank has copied the last command out
-            self._wait(lambda r=r: self.meta[2 + r] >= self.seq)
+            wait_until(lambda r=r: self.meta[2 + r] >= self.seq, self.alive)
         self.seq += 1
         if len(data) <= MAILBOX_BYTES:
             self.payload[:len(data)] = data
@@ -77,29 +67,12 @@ class SharedMemoryChannel(GlooChannel):
 
     def receive(self) -> tuple:
         self.seq += 1
-        self._wait(lambda: self.meta[0] >= self.seq, idle=True)
+        wait_until(lambda: self.meta[0] >= self.seq, self.alive, idle=True)
         size = int(self.meta[1])
         data = bytes(self.payload[:size]) if size != ON_GLOO else None
         self.meta[2 + self.rank] = self.seq
         return pickle.loads(data) if data is not None else super().receive()
 
-    def _wait(self, ready: Callable[[], bool], idle: bool = False) -> None:
-        spins, start = 0, None
-        while not ready():
-            spins += 1
-            if spins <= SPIN_BEFORE_YIELD:
-                continue
-            start = start or time.monotonic()
-            if idle and time.monotonic() - start > IDLE_AFTER_S:
-                time.sleep(IDLE_SLEEP_S)
-            else:
-                os.sched_yield()
-            if spins % 1000 == 0 and not self.alive():
-                raise RuntimeError("the tensor-parallel group ended (a rank, or rank 0, is gone)")
-
     def close(self) -> None:
         if self.rank == 0:
-            try:
-                os.unlink(self.path)
-            except OSError:
-                pass
+            remove_segment(self.path)

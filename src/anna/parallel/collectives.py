@@ -3,7 +3,7 @@
 ``Collectives`` goes through torch.distributed's default group (gloo, NCCL, XCCL). Ranks on one
 host with CPU tensors use ``SharedMemoryCollectives``: every rank writes its tensor into its slot
 of one shared-memory segment, raises its flag, waits for the others' and sums the slots in rank
-order (so every rank holds the same bits). gloo's TCP round trip over loopback costs 1.2-1.7 ms a
+order (so every rank holds the same bits). gloo's TCP round trip over loopback costs 1.1-2.8 ms a
 call on a 2-core VM whatever the size (benchmarks/tensor_parallel_bench.py --collectives), which
 for a 24-layer model's 49 calls per decode step is longer than the step's matmuls; the shared
 segment costs microseconds. Tensors larger than a slot still go through gloo.
@@ -11,8 +11,6 @@ segment costs microseconds. Tensors larger than a slot still go through gloo.
 
 from __future__ import annotations
 
-import mmap
-import os
 import time
 from typing import Callable
 
@@ -20,8 +18,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from anna.parallel.shared_memory import map_segment, remove_segment, wait_until
+
 SLOT_BYTES = 8 << 20  # per rank and phase: a decode step's hidden rows and logits slices fit
-SPIN_BEFORE_YIELD = 2000  # flag reads before a waiting rank starts yielding its core
 
 
 class Collectives:
@@ -78,14 +77,7 @@ class SharedMemoryCollectives(Collectives):
         self.rank, self.path = rank, path
         self.alive = alive or (lambda: True)
         header = 2 * size * 8
-        total = header + 2 * size * SLOT_BYTES
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            if os.fstat(fd).st_size < total:
-                os.ftruncate(fd, total)
-            self._map = mmap.mmap(fd, total)
-        finally:
-            os.close(fd)
+        self._map = map_segment(path, header + 2 * size * SLOT_BYTES)
         self.flags = np.frombuffer(self._map, dtype=np.int64, count=2 * size).reshape(2, size)
         self.slots = torch.frombuffer(self._map, dtype=torch.uint8, offset=header,
                                       count=2 * size * SLOT_BYTES).view(2, size, SLOT_BYTES)
@@ -108,13 +100,7 @@ class SharedMemoryCollectives(Collectives):
     def _wait(self, phase: int) -> None:
         flags, seq = self.flags[phase], self.seq
         for r in range(self.size):
-            spins = 0
-            while flags[r] < seq:
-                spins += 1
-                if spins > SPIN_BEFORE_YIELD:  # the other rank is busy (a long prefill): let others run
-                    os.sched_yield()
-                    if spins % 10000 == 0 and not self.alive():
-                        raise RuntimeError("a tensor-parallel rank ended during a collective")
+            wait_until(lambda r=r: flags[r] >= seq, self.alive)
 
     def _all_reduce(self, x: torch.Tensor) -> None:
         if not self.fits(x):
@@ -131,7 +117,4 @@ class SharedMemoryCollectives(Collectives):
 
     def close(self) -> None:
         if self.rank == 0:
-            try:
-                os.unlink(self.path)
-            except OSError:
-                pass
+            remove_segment(self.path)
