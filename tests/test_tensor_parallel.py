@@ -77,6 +77,23 @@ def test_two_ranks_quantized_and_bf16_match_one_rank(arch, overrides, hf_models,
     assert_logits_close(logits_2, logits_1, rel=2e-3)
 
 
+def test_a_q4_0_gguf_keeps_its_blocks_on_each_rank(hf_models, cache_dir, tmp_path):
+    """A GGUF's Q4_0 blocks split by rows and, in row-parallel layers, by whole groups of columns:
+    the same tokens and logits as one rank serving the same file."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "export_gguf", Path(__file__).resolve().parents[1] / "benchmarks" / "export_gguf.py")
+    export_gguf = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(export_gguf)
+    path = tmp_path / "qwen2-q4_0.gguf"
+    export_gguf.export(hf_models["qwen2"][1], path, "q4_0")
+    (logits_1, tokens_1), (logits_2, tokens_2) = _logits_both(path, cache_dir, calibrate=False)
+    assert tokens_2 == tokens_1
+    assert_logits_close(logits_2, logits_1, rel=1e-5)
+
+
 def _requests():
     shared = [(11 * i + 1) % 600 + 10 for i in range(40)]  # 2 full blocks shared by three prompts
     prompts = [shared + [101, 102], shared + [201], shared + [301, 302, 303], list(range(50, 90)), [5, 6, 7], PROMPT]
