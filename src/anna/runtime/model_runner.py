@@ -110,11 +110,10 @@ class ModelInputs:
     meta: AttentionMetadata
     order: list[int]  # batch index of each request in model order (decodes first)
     logits_indices: list[int]  # flattened-token index of the last token of each request, model order
-    fresh_state_slots: torch.Tensor | None = None  # state slots of sequences starting from their first token
+    step: StepTensors  # the host values the metadata was built from
     # recurrent layers: per request (batch index) verifying proposals, where its states after each
     # token are kept (see ModelRunner._checkpoints)
     state_checkpoints: dict[int, list[int]] = field(default_factory=dict)
-    step: StepTensors | None = None  # the host values the metadata was built from
 
 
 def allocate_caches(specs: list[CacheSpec], platform: Platform, *, num_blocks: int, block_size: int,
@@ -241,8 +240,7 @@ class ModelRunner:
         if on_device:
             where = torch.tensor([flat for flat, _ in on_device], device=dev)
             input_ids[where] = torch.stack([t[row] for _, (t, row) in on_device])
-        return ModelInputs(input_ids, positions.to(dev), meta, order, last_rows, step.fresh_slots(dev), checkpoints,
-                           step)
+        return ModelInputs(input_ids, positions.to(dev), meta, order, last_rows, step, checkpoints)
 
     def _checkpoints(self, order: list[int], spec: list[list[int]]) -> dict[int, list[int]]:
         """For recurrent layers: per request (batch index) that verifies k proposals, k checkpoint
@@ -269,8 +267,9 @@ class ModelRunner:
         if self.workers is not None:  # the tokens as they are now (a pending one filled in on the device)
             self.workers.send("forward", dataclasses.replace(inputs.step, input_ids=inputs.input_ids.cpu()))
         with self._with_workers():
-            if inputs.fresh_state_slots is not None:  # a sequence's first step starts from a zero state
-                zero_states(self.layer_caches, inputs.fresh_state_slots)
+            fresh = inputs.step.fresh_slots(self.device)
+            if fresh is not None:  # a sequence's first step starts from a zero state
+                zero_states(self.layer_caches, fresh)
             executor = self.decode_executor
             with self.platform.numerics():
                 if executor is not None and executor.applies(inputs.meta, inputs.input_ids.shape[0],
