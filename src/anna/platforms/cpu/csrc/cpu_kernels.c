@@ -426,6 +426,11 @@ INLINE const uint8_t *paged_row(const uint8_t *cache, const PagedSeq *s, long p)
     return cache + ((s->table[blk] * s->kv_heads + s->h) * s->block_size + r) * s->row_bytes;
 }
 
+/* Ask for a row that is read once this tile's keys are scored (into L2: a tile's fp32 rows overflow L1). */
+INLINE void prefetch_row(const uint8_t *row, long row_bytes) {
+    for (long b = 0; b < row_bytes; b += 64) _mm_prefetch((const char *)row + b, _MM_HINT_T1);
+}
+
 /* The rows of positions p .. p + 7 as fp32 into rows[], asking for the next eight (up to n)
  * meanwhile: fp32 rows where they lie, others decoded into `scratch` [8, dim] (in L1). */
 INLINE void paged_rows8(int kind, const uint8_t *cache, const PagedSeq *s, long p, long n, long dim, __m256 lo,
@@ -612,6 +617,17 @@ INLINE void scores16_vnni(int kind, const uint8_t *const rows[16], const float *
     }
 }
 
+/* The stored rows of positions p .. p + 15 and their scales times `lscale`, asking for the next
+ * sixteen (up to n) meanwhile. */
+INLINE void paged_rows16(int kind, const uint8_t *cache, const PagedSeq *s, long p, long n, long dim, float lscale,
+                         const uint8_t *rows[16], float *rowscale) {
+    for (int j = 0; j < 16; j++) {
+        rows[j] = paged_row(cache, s, p + j);
+        rowscale[j] = kv_row_scale(kind, rows[j], dim) * lscale;
+        if (p + 16 + j < n) _mm_prefetch((const char *)paged_row(cache, s, p + 16 + j), _MM_HINT_T0);
+    }
+}
+
 /* Each head's query as int8 with its own scale (round to nearest), and the sum of its int8 values. */
 static void quantize_queries(const float *q, long group, long dim, int8_t *qi, float *qscale, int32_t *qsum) {
     for (long g = 0; g < group; g++) {
@@ -631,143 +647,273 @@ static void quantize_queries(const float *q, long group, long dim, int8_t *qi, f
 }
 #endif
 
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+/* Values stored as int8 (int8 rows, TurboQuant 4-bit levels mapped to int8) are summed on VNNI too.
+ * Each head's weights for sixteen rows (probability times the row's scale) become 16-bit integers
+ * with one scale per head and sixteen rows, split into low and high bytes; four rows' values are
+ * interleaved into dwords, and two vpdpbusd (low bytes, high bytes) add four rows' products to
+ * sixteen of a head's outputs: half the fp32 multiply-adds, with no decode to fp32. The weights
+ * keep 16 bits (8 bits cost about 0.4% of the output's scale, as much as int8 rows themselves
+ * lose). The sums come out in vnni_value_order's order, put back once per job. */
+
+/* 64 values of a value row from `slice` as s8: int8 rows as stored; TurboQuant 4-bit rows' low
+ * nibbles (even values) then high nibbles (odd values), looked up in `lut` (the int8 levels). */
+INLINE __m512i value_slice_s8(int kind, const uint8_t *slice, __m512i lut) {
+    if (kind == KV_INT8) return _mm512_loadu_si512(slice);
+    __m256i b = _mm256_loadu_si256((const __m256i *)slice);
+    __m256i lo = _mm256_and_si256(b, _mm256_set1_epi8(15));
+    __m256i hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), _mm256_set1_epi8(15));
+    return _mm512_shuffle_epi8(lut, _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1));
+}
+
+/* Where the sum in lane m of vector c (of four per 64-value slice) belongs within the slice. */
+INLINE long vnni_value_order(int kind, int c, int m) {
+    long k = (m / 4) * 16 + c * 4 + m % 4;  /* the byte of value_slice_s8 (the interleave below) */
+    return kind == KV_TQ4 ? (k < 32 ? 2 * k : 2 * (k - 32) + 1) : k;
+}
+
+/* acc[h] += sum_j w[h * stride + j] * rowscale[j] * values of rows[j], for sixteen rows and heads h < nh. */
+INLINE void values16_vnni(int kind, const uint8_t *const rows[16], const float *rowscale, const float *w,
+                          long stride, long nh, long dim, __m512i lut, float *acc) {
+    uint32_t wlo[VNNI_MAX_HEADS][4], whi[VNNI_MAX_HEADS][4];
+    float ws[VNNI_MAX_HEADS];
+    __m512 rs = _mm512_loadu_ps(rowscale);
+    for (long h = 0; h < nh; h++) {
+        __m512 e = _mm512_mul_ps(_mm512_loadu_ps(w + h * stride), rs);
+        float emax = _mm512_reduce_max_ps(e);
+        ws[h] = emax / 65535.0f;
+        if (!(emax > 0.0f)) continue;
+        __m512i u = _mm512_cvtps_epi32(_mm512_mul_ps(e, _mm512_set1_ps(65535.0f / emax)));
+        _mm_storeu_si128((__m128i *)wlo[h], _mm512_cvtepi32_epi8(_mm512_and_si512(u, _mm512_set1_epi32(255))));
+        _mm_storeu_si128((__m128i *)whi[h], _mm512_cvtepi32_epi8(_mm512_srli_epi32(u, 8)));
+    }
+    long slice_bytes = kind == KV_TQ4 ? 32 : 64;
+    for (long s = 0; s < dim / 64; s++) {
+        __m512i x[16];  /* x[4g + c], dword m: values (m / 4) * 16 + 4c + m % 4 of rows 4g .. 4g + 3 */
+        for (int g = 0; g < 4; g++) {
+            __m512i r0 = value_slice_s8(kind, rows[4 * g] + s * slice_bytes, lut);
+            __m512i r1 = value_slice_s8(kind, rows[4 * g + 1] + s * slice_bytes, lut);
+            __m512i r2 = value_slice_s8(kind, rows[4 * g + 2] + s * slice_bytes, lut);
+            __m512i r3 = value_slice_s8(kind, rows[4 * g + 3] + s * slice_bytes, lut);
+            __m512i a = _mm512_unpacklo_epi8(r0, r1), b = _mm512_unpackhi_epi8(r0, r1);
+            __m512i c = _mm512_unpacklo_epi8(r2, r3), d = _mm512_unpackhi_epi8(r2, r3);
+            x[4 * g] = _mm512_unpacklo_epi16(a, c);
+            x[4 * g + 1] = _mm512_unpackhi_epi16(a, c);
+            x[4 * g + 2] = _mm512_unpacklo_epi16(b, d);
+            x[4 * g + 3] = _mm512_unpackhi_epi16(b, d);
+        }
+        for (long h = 0; h < nh; h++) {
+            if (!(ws[h] > 0.0f)) continue;
+            __m512i al[4], ah[4];
+            for (int c = 0; c < 4; c++) al[c] = ah[c] = _mm512_setzero_si512();
+            for (int g = 0; g < 4; g++) {
+                __m512i bl = _mm512_set1_epi32((int)wlo[h][g]), bh = _mm512_set1_epi32((int)whi[h][g]);
+                for (int c = 0; c < 4; c++) {
+                    al[c] = _mm512_dpbusd_epi32(al[c], bl, x[4 * g + c]);
+                    ah[c] = _mm512_dpbusd_epi32(ah[c], bh, x[4 * g + c]);
+                }
+            }
+            float *dst = acc + h * dim + s * 64;
+            __m512 sc = _mm512_set1_ps(ws[h]);
+            for (int c = 0; c < 4; c++) {
+                __m512i sum = _mm512_add_epi32(_mm512_slli_epi32(ah[c], 8), al[c]);
+                _mm512_storeu_ps(dst + 16 * c, _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), sc, _mm512_loadu_ps(dst + 16 * c)));
+            }
+        }
+    }
+}
+#endif
+
+#define ATTN_TILE 256  /* positions per pass: their scores stay in L1 from the keys to the values */
+
+/* One thread's buffers for attend(). */
+typedef struct {
+    float *scores;    /* [group, ATTN_TILE]: a tile's scores, then their weights exp(score - max) */
+    float *mx, *sum;  /* [group]: the running maximum score and the sum of the weights so far */
+    float *tmax;      /* [group]: the tile's maximum score */
+    float *scratch;   /* [8, dim]: decoded rows, 64-byte aligned */
+    float *qr;        /* [group, dim]: rotated queries (TurboQuant) */
+    float *acc;       /* [group, dim]: the weighted sum of values (rotated, for TurboQuant) */
+    float *accq;      /* [group, dim]: the part of it summed on VNNI, in vnni_value_order */
+    int8_t *qi;       /* [group, dim]: int8 queries for VNNI keys */
+} AttendBuffers;
+
 /* One (sequence, KV head) job of decode attention, for rows stored as `kind` (constant after
- * inlining, so each kind gets its own loops). */
+ * inlining, so each kind gets its own loops). One pass over the context in tiles of ATTN_TILE
+ * positions (online softmax): a tile's keys are scored, its weights taken against the running
+ * maximum (earlier sums rescaled when it grows) and its values summed while the scores are in L1. */
 INLINE void attend(int kind, const AnnaKVFormat *f, const float *qv, const uint8_t *k_cache,
                    const uint8_t *v_cache, const PagedSeq *seq, long start, long n, long group, long dim,
-                   float scale, float *scores, float *mx, float *scratch, float *qr, float *o) {
-    long len = n - start;
+                   float scale, const AttendBuffers *b, float *o) {
     int rotated = kind == KV_TQ4 || kind == KV_TQ3;
+    float *scores = b->scores, *mx = b->mx, *sum = b->sum, *tmax = b->tmax, *scratch = b->scratch;
+    float *acc = b->acc;
     __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
     if (rotated) {  /* scores against rotated keys: rotate the queries instead of each key back */
         lo = _mm256_loadu_ps(f->levels);
         if (kind == KV_TQ4) hi = _mm256_loadu_ps(f->levels + 8);
-        rotate_rows(f->rotation, qv, qr, group, dim, 0);
-        qv = qr;
+        rotate_rows(f->rotation, qv, b->qr, group, dim, 0);
+        qv = b->qr;
     }
-    for (long g = 0; g < group; g++) mx[g] = -INFINITY;
-    long p = start;
+    for (long g = 0; g < group; g++) {
+        mx[g] = -INFINITY;
+        sum[g] = 0.0f;
+    }
+    for (long i = 0; i < group * dim; i++) acc[i] = 0.0f;
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-    if ((kind == KV_INT8 || kind == KV_TQ4) && dim % 64 == 0 && group <= VNNI_MAX_HEADS && n - p >= 16) {
-        int8_t *qi = (int8_t *)scratch;  /* (the decode scratch is free until the tail below) */
-        float qscale[VNNI_MAX_HEADS], rowscale[16], lscale = 1.0f;
-        int32_t qsum[VNNI_MAX_HEADS];
-        quantize_queries(qv, group, dim, qi, qscale, qsum);
-        __m512i lut = _mm512_setzero_si512();
-        if (kind == KV_TQ4) {  /* levels as int8 (+ 128), 127 at the largest */
-            uint8_t l8[16];
+    int vnni = (kind == KV_INT8 || kind == KV_TQ4) && dim % 64 == 0 && group <= VNNI_MAX_HEADS;
+    float qscale[VNNI_MAX_HEADS], rowscale[16], lscale = 1.0f;
+    int32_t qsum[VNNI_MAX_HEADS];
+    __m512i klut = _mm512_setzero_si512(), vlut = _mm512_setzero_si512();
+    if (vnni) {
+        quantize_queries(qv, group, dim, b->qi, qscale, qsum);
+        if (kind == KV_TQ4) {  /* levels as int8, 127 at the largest (keys: + 128) */
+            int8_t l8[16];
             lscale = f->levels[15] / 127.0f;
-            for (int c = 0; c < 16; c++) l8[c] = (uint8_t)((int)nearbyintf(f->levels[c] / lscale) + 128);
-            lut = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)l8));
+            for (int c = 0; c < 16; c++) l8[c] = (int8_t)nearbyintf(f->levels[c] / lscale);
+            vlut = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)l8));
+            klut = _mm512_xor_si512(vlut, _mm512_set1_epi8((char)0x80));
         }
-        for (; p + 16 <= n; p += 16) {
+        for (long i = 0; i < group * dim; i++) b->accq[i] = 0.0f;
+    }
+#endif
+    for (long t0 = start; t0 < n; t0 += ATTN_TILE) {
+        long t1 = n - t0 < ATTN_TILE ? n : t0 + ATTN_TILE, tl = t1 - t0;
+        for (long g = 0; g < group; g++) tmax[g] = -INFINITY;
+        long p = t0;
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+        for (; vnni && p + 16 <= t1; p += 16) {
             const uint8_t *rows[16];
-            for (int j = 0; j < 16; j++) {
-                rows[j] = paged_row(k_cache, seq, p + j);
-                rowscale[j] = kv_row_scale(kind, rows[j], dim) * lscale;
-                if (p + 16 + j < n) _mm_prefetch((const char *)paged_row(k_cache, seq, p + 16 + j), _MM_HINT_T0);
-            }
-#define SCORES16(g, nh) scores16_vnni(kind, rows, rowscale, qi + (g) * dim, qscale + (g), qsum + (g), nh, dim, scale, \
-                                      lut, scores + (g) * len + p - start, len, mx + (g))
+            paged_rows16(kind, k_cache, seq, p, n, dim, lscale, rows, rowscale);
+            for (int j = 0; j < 16; j++) prefetch_row(paged_row(v_cache, seq, p + j), seq->row_bytes);
+#define SCORES16(g, nh) scores16_vnni(kind, rows, rowscale, b->qi + (g) * dim, qscale + (g), qsum + (g), nh, dim, \
+                                      scale, klut, scores + (g) * ATTN_TILE + p - t0, ATTN_TILE, tmax + (g))
             HEAD_PASSES(group, VNNI_MAX_HEADS, SCORES16);
 #undef SCORES16
         }
-    }
 #endif
-    /* eight positions at a time: one reduction for eight scores instead of one each */
-    for (; dim % 8 == 0 && p + 8 <= n; p += 8) {
-        const float *kr[8];
-        paged_rows8(kind, k_cache, seq, p, n, dim, lo, hi, scratch, kr);
+        /* eight positions at a time: one reduction for eight scores instead of one each */
+        for (; dim % 8 == 0 && p + 8 <= t1; p += 8) {
+            const float *kr[8];
+            paged_rows8(kind, k_cache, seq, p, n, dim, lo, hi, scratch, kr);
+            for (int j = 0; j < 8; j++) prefetch_row(paged_row(v_cache, seq, p + j), seq->row_bytes);
 #ifdef __AVX512F__
-        if (dim % 16 == 0) {
-#define SCORES(g, nh) scores8_512(qv + (g) * dim, kr, nh, dim, scale, scores + (g) * len + p - start, len, mx + (g))
-            HEAD_PASSES(group, HEADS_PER_PASS, SCORES);
+            if (dim % 16 == 0) {
+#define SCORES(g, nh) scores8_512(qv + (g) * dim, kr, nh, dim, scale, scores + (g) * ATTN_TILE + p - t0, ATTN_TILE, \
+                                  tmax + (g))
+                HEAD_PASSES(group, HEADS_PER_PASS, SCORES);
 #undef SCORES
-            continue;
+                continue;
+            }
+#endif
+            for (long g = 0; g < group; g++) {
+                __m256 sc = _mm256_mul_ps(dot8(qv + g * dim, kr, dim), _mm256_set1_ps(scale));
+                _mm256_storeu_ps(scores + g * ATTN_TILE + p - t0, sc);
+                tmax[g] = fmaxf(tmax[g], hmax8(sc));
+            }
+        }
+        for (; p < t1; p++) {
+            const float *kv = paged_row1(kind, k_cache, seq, p, dim, lo, hi, scratch);
+            for (long g = 0; g < group; g++) {
+                float sc = dot(qv + g * dim, kv, dim) * scale;
+                scores[g * ATTN_TILE + p - t0] = sc;
+                tmax[g] = fmaxf(tmax[g], sc);
+            }
+        }
+        /* the tile's weights against the running maximum; the sums so far rescaled where it grew */
+        for (long g = 0; g < group; g++) {
+            float m = fmaxf(mx[g], tmax[g]);
+            if (m > mx[g] && mx[g] > -INFINITY) {
+                float c = expf(mx[g] - m);
+                sum[g] *= c;
+                for (long i = 0; i < dim; i++) acc[g * dim + i] *= c;
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+                if (vnni)
+                    for (long i = 0; i < dim; i++) b->accq[g * dim + i] *= c;
+#endif
+            }
+            mx[g] = m;
+            float *sg = scores + g * ATTN_TILE;
+            __m256 vmax = _mm256_set1_ps(m), vsum = _mm256_setzero_ps();
+            long i = 0;
+            for (; i + 8 <= tl; i += 8) {
+                __m256 ev = exp8(_mm256_sub_ps(_mm256_loadu_ps(sg + i), vmax));
+                _mm256_storeu_ps(sg + i, ev);
+                vsum = _mm256_add_ps(vsum, ev);
+            }
+            float s = hsum(vsum);
+            for (; i < tl; i++) {
+                sg[i] = expf(sg[i] - m);
+                s += sg[i];
+            }
+            sum[g] += s;
+        }
+        p = t0;
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+        for (; vnni && p + 16 <= t1; p += 16) {
+            const uint8_t *rows[16];
+            paged_rows16(kind, v_cache, seq, p, n, dim, lscale, rows, rowscale);
+            values16_vnni(kind, rows, rowscale, scores + p - t0, ATTN_TILE, group, dim, vlut, b->accq);
         }
 #endif
-        for (long g = 0; g < group; g++) {
-            __m256 sc = _mm256_mul_ps(dot8(qv + g * dim, kr, dim), _mm256_set1_ps(scale));
-            _mm256_storeu_ps(scores + g * len + p - start, sc);
-            float m = hmax8(sc);
-            if (m > mx[g]) mx[g] = m;
-        }
-    }
-    for (; p < n; p++) {
-        const float *kv = paged_row1(kind, k_cache, seq, p, dim, lo, hi, scratch);
-        for (long g = 0; g < group; g++) {
-            float sc = dot(qv + g * dim, kv, dim) * scale;
-            scores[g * len + p - start] = sc;
-            if (sc > mx[g]) mx[g] = sc;
-        }
-    }
-    for (long g = 0; g < group; g++) {
-        float *sg = scores + g * len;
-        __m256 vmax = _mm256_set1_ps(mx[g]), vsum = _mm256_setzero_ps();
-        long i = 0;
-        for (; i + 8 <= len; i += 8) {
-            __m256 ev = exp8(_mm256_sub_ps(_mm256_loadu_ps(sg + i), vmax));
-            _mm256_storeu_ps(sg + i, ev);
-            vsum = _mm256_add_ps(vsum, ev);
-        }
-        float sum = hsum(vsum);
-        for (; i < len; i++) {
-            sg[i] = expf(sg[i] - mx[g]);
-            sum += sg[i];
-        }
-        /* normalized once here: the value passes read probabilities */
-        float inv = 1.0f / sum;
-        __m256 vi = _mm256_set1_ps(inv);
-        long k = 0;
-        for (; k + 8 <= len; k += 8) _mm256_storeu_ps(sg + k, _mm256_mul_ps(_mm256_loadu_ps(sg + k), vi));
-        for (; k < len; k++) sg[k] *= inv;
-    }
-    float *acc = rotated ? qr : o;  /* TurboQuant: the sum of rotated values, rotated back at the end */
-    for (long i = 0; i < group * dim; i++) acc[i] = 0.0f;
-    p = start;
-    /* eight positions at a time: each output row is read and written once per eight value
-     * rows (once per value row, the loop was bound by its stores) */
-    for (; dim % 8 == 0 && p + 8 <= n; p += 8) {
-        const float *vr[8];
-        paged_rows8(kind, v_cache, seq, p, n, dim, lo, hi, scratch, vr);
+        /* eight positions at a time: each output row is read and written once per eight value
+         * rows (once per value row, the loop was bound by its stores) */
+        for (; dim % 8 == 0 && p + 8 <= t1; p += 8) {
+            const float *vr[8];
+            paged_rows8(kind, v_cache, seq, p, n, dim, lo, hi, scratch, vr);
 #ifdef __AVX512F__
-        if (dim % 16 == 0) {
-#define ACCUMULATE(g, nh) accumulate8_512(vr, scores + (g) * len + p - start, len, nh, dim, acc + (g) * dim)
-            HEAD_PASSES(group, V_HEADS_PER_PASS, ACCUMULATE);
+            if (dim % 16 == 0) {
+#define ACCUMULATE(g, nh) accumulate8_512(vr, scores + (g) * ATTN_TILE + p - t0, ATTN_TILE, nh, dim, acc + (g) * dim)
+                HEAD_PASSES(group, V_HEADS_PER_PASS, ACCUMULATE);
 #undef ACCUMULATE
-            continue;
-        }
+                continue;
+            }
 #endif
-        for (long g = 0; g < group; g++) {
-            const float *sg = scores + g * len + p - start;
-            __m256 wv[8];
-            for (int j = 0; j < 8; j++) wv[j] = _mm256_set1_ps(sg[j]);
-            float *og = acc + g * dim;
-            for (long i = 0; i < dim; i += 8) {
-                /* two chains of four fmas instead of one of eight */
-                __m256 a = _mm256_fmadd_ps(wv[0], _mm256_loadu_ps(vr[0] + i), _mm256_loadu_ps(og + i));
-                __m256 b = _mm256_mul_ps(wv[1], _mm256_loadu_ps(vr[1] + i));
-                for (int j = 2; j < 8; j += 2) {
-                    a = _mm256_fmadd_ps(wv[j], _mm256_loadu_ps(vr[j] + i), a);
-                    b = _mm256_fmadd_ps(wv[j + 1], _mm256_loadu_ps(vr[j + 1] + i), b);
+            for (long g = 0; g < group; g++) {
+                const float *sg = scores + g * ATTN_TILE + p - t0;
+                __m256 wv[8];
+                for (int j = 0; j < 8; j++) wv[j] = _mm256_set1_ps(sg[j]);
+                float *og = acc + g * dim;
+                for (long i = 0; i < dim; i += 8) {
+                    /* two chains of four fmas instead of one of eight */
+                    __m256 a = _mm256_fmadd_ps(wv[0], _mm256_loadu_ps(vr[0] + i), _mm256_loadu_ps(og + i));
+                    __m256 c = _mm256_mul_ps(wv[1], _mm256_loadu_ps(vr[1] + i));
+                    for (int j = 2; j < 8; j += 2) {
+                        a = _mm256_fmadd_ps(wv[j], _mm256_loadu_ps(vr[j] + i), a);
+                        c = _mm256_fmadd_ps(wv[j + 1], _mm256_loadu_ps(vr[j + 1] + i), c);
+                    }
+                    _mm256_storeu_ps(og + i, _mm256_add_ps(a, c));
                 }
-                _mm256_storeu_ps(og + i, _mm256_add_ps(a, b));
+            }
+        }
+        for (; p < t1; p++) {
+            const float *vv = paged_row1(kind, v_cache, seq, p, dim, lo, hi, scratch);
+            for (long g = 0; g < group; g++) {
+                float wgt = scores[g * ATTN_TILE + p - t0];
+                float *og = acc + g * dim;
+                long i = 0;
+                __m256 wv = _mm256_set1_ps(wgt);
+                for (; i + 8 <= dim; i += 8)
+                    _mm256_storeu_ps(og + i, _mm256_fmadd_ps(wv, _mm256_loadu_ps(vv + i), _mm256_loadu_ps(og + i)));
+                for (; i < dim; i++) og[i] += wgt * vv[i];
             }
         }
     }
-    for (; p < n; p++) {
-        const float *vv = paged_row1(kind, v_cache, seq, p, dim, lo, hi, scratch);
-        for (long g = 0; g < group; g++) {
-            float wgt = scores[g * len + p - start];
-            float *og = acc + g * dim;
-            long i = 0;
-            __m256 wv = _mm256_set1_ps(wgt);
-            for (; i + 8 <= dim; i += 8)
-                _mm256_storeu_ps(og + i, _mm256_fmadd_ps(wv, _mm256_loadu_ps(vv + i), _mm256_loadu_ps(og + i)));
-            for (; i < dim; i++) og[i] += wgt * vv[i];
-        }
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    if (vnni)
+        for (long g = 0; g < group; g++)
+            for (long s = 0; s < dim / 64; s++)
+                for (int c = 0; c < 4; c++)
+                    for (int m = 0; m < 16; m++)
+                        acc[g * dim + s * 64 + vnni_value_order(kind, c, m)] += b->accq[g * dim + s * 64 + 16 * c + m];
+#endif
+    for (long g = 0; g < group; g++) {
+        float inv = 1.0f / sum[g];
+        for (long i = 0; i < dim; i++) acc[g * dim + i] *= inv;
     }
+    /* TurboQuant: the sum of rotated values, rotated back */
     if (rotated) rotate_rows(f->rotation, acc, o, group, dim, 1);
+    else memcpy(o, acc, sizeof(float) * group * dim);
 }
 
 /* Decode attention over a paged KV cache: one query token per sequence.
@@ -785,26 +931,28 @@ void anna_paged_decode_attention(const float *q, const void *k_cache, const void
     int shift = (block_size & (block_size - 1)) == 0 ? __builtin_ctzl(block_size) : -1;
     #pragma omp parallel num_threads(threads)
     {
-        long cap = 0;
-        float *scores = 0;
-        float *mx = (float *)malloc(sizeof(float) * group);
-        /* 64-byte aligned: decoded rows are stored and reloaded in 512-bit vectors */
-        float *scratch = (float *)aligned_alloc(64, sizeof(float) * ((8 * dim + 15) & ~15L));
-        float *qr = (float *)aligned_alloc(64, sizeof(float) * ((group * dim + 15) & ~15L));
+        /* 64-byte aligned: decoded rows and sums are stored and reloaded in 512-bit vectors */
+        long rows_bytes = (sizeof(float) * group * dim + 63) & ~63L;
+        AttendBuffers b = {
+            .scores = (float *)malloc(sizeof(float) * group * ATTN_TILE),
+            .mx = (float *)malloc(sizeof(float) * group),
+            .sum = (float *)malloc(sizeof(float) * group),
+            .tmax = (float *)malloc(sizeof(float) * group),
+            .scratch = (float *)aligned_alloc(64, (sizeof(float) * 8 * dim + 63) & ~63L),
+            .qr = (float *)aligned_alloc(64, rows_bytes),
+            .acc = (float *)aligned_alloc(64, rows_bytes),
+            .accq = (float *)aligned_alloc(64, rows_bytes),
+            .qi = (int8_t *)malloc(group * dim),
+        };
         #pragma omp for schedule(dynamic, 1)
         for (long job = 0; job < seqs * kv_heads; job++) {
             long sq = job / kv_heads, kvh = job % kv_heads;
-            long n = ctx[sq], start = (window > 0 && n > window) ? n - window : 0, len = n - start;
-            if (group * len > cap) {
-                free(scores);
-                cap = group * len;
-                scores = (float *)malloc(sizeof(float) * cap);
-            }
+            long n = ctx[sq], start = (window > 0 && n > window) ? n - window : 0;
             const float *qv = q + (sq * heads + kvh * group) * dim;  /* the group's query heads, consecutive */
             float *o = out + (sq * heads + kvh * group) * dim;
             PagedSeq seq = {tables + sq * table_width, block_size, kv_heads, kvh, row_bytes, shift};
             const uint8_t *kc = (const uint8_t *)k_cache, *vc = (const uint8_t *)v_cache;
-#define ATTEND(K) attend(K, f, qv, kc, vc, &seq, start, n, group, dim, scale, scores, mx, scratch, qr, o)
+#define ATTEND(K) attend(K, f, qv, kc, vc, &seq, start, n, group, dim, scale, &b, o)
             switch (kind) {
             case KV_BF16: ATTEND(KV_BF16); break;
             case KV_F16: ATTEND(KV_F16); break;
@@ -816,10 +964,15 @@ void anna_paged_decode_attention(const float *q, const void *k_cache, const void
             }
 #undef ATTEND
         }
-        free(scores);
-        free(mx);
-        free(scratch);
-        free(qr);
+        free(b.scores);
+        free(b.mx);
+        free(b.sum);
+        free(b.tmax);
+        free(b.scratch);
+        free(b.qr);
+        free(b.acc);
+        free(b.accq);
+        free(b.qi);
     }
 }
 
