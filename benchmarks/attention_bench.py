@@ -11,7 +11,8 @@ blocks are drawn at random (blocks of a long-running server are not in order), s
 come from memory as in a real step. The caches are on huge pages, as the engine keeps them
 (--compare-huge-pages: also on small pages, alternated step by step). Prints the best of
 --repeats steps per context. --kv-cache-dtypes: caches stored in each of these formats
-(model/kv_format.py), timed alternately step by step in the same run.
+(model/kv_format.py), timed alternately step by step in the same run. --baseline-kernels: another
+build of the kernels (an earlier commit's), alternated with this tree's on the same caches.
 """
 
 from __future__ import annotations
@@ -20,12 +21,13 @@ import argparse
 import json
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
 from anna.model.attention import PagedKV, kv_cache_shape
 from anna.model.kv_format import KVFormat
-from anna.platforms.cpu.kernels import build_cpu_kernels
+from anna.platforms.cpu.kernels import CpuKernels, build_cpu_kernels
 from anna.platforms.cpu.host_memory import huge_page_zeros
 
 
@@ -65,10 +67,16 @@ def main() -> None:
                     help="cache formats to time against each other (model/kv_format.py)")
     ap.add_argument("--compare-huge-pages", action="store_true",
                     help="also time caches on small pages, alternated with the huge-page ones")
+    ap.add_argument("--baseline-kernels", type=Path,
+                    help="a kernel library built from other sources (e.g. an earlier commit's, from its "
+                         "--cache-dir's kernels/ folder), timed alternately with this tree's on the same caches")
     args = ap.parse_args()
     kernels = build_cpu_kernels(args.cache_dir)
     if kernels is None:
         raise SystemExit("Anna's CPU kernels could not be built on this machine")
+    builds = {"ms_per_step": kernels}
+    if args.baseline_kernels:
+        builds["baseline_ms_per_step"] = CpuKernels(args.baseline_kernels, kernels.level)
     rows = []
     for context in args.contexts:
         blocks = args.seqs * -(-context // args.block_size)
@@ -83,17 +91,20 @@ def main() -> None:
             kinds[name] = make_caches(shape, args.layers, True, fmt)
             if args.compare_huge_pages:
                 kinds[f"{name}_small_pages"] = make_caches(shape, args.layers, False, fmt)
-        times: dict[str, list[float]] = {kind: [] for kind in kinds}
+        times = {(kind, build): [] for kind in kinds for build in builds}
         for _ in range(args.repeats):
             for kind, caches in kinds.items():
-                times[kind].append(step_ms(kernels, caches, tables, q, lens))
+                for build, lib in builds.items():
+                    times[kind, build].append(step_ms(lib, caches, tables, q, lens))
         row = {"context": context, "seqs": args.seqs}
         for kind, caches in kinds.items():
             kv_mb = args.layers * args.seqs * context * 2 * args.kv_heads * caches[0].format.row_bytes / 1e6
-            row[kind] = {"kv_mb_read": round(kv_mb, 1), "ms_per_step": round(min(times[kind]), 2)}
+            row[kind] = {"kv_mb_read": round(kv_mb, 1)}
+            row[kind].update({build: round(min(times[kind, build]), 2) for build in builds})
         if args.compare_huge_pages:
             for name in args.kv_cache_dtypes:
-                ratios = [s / h for s, h in zip(times[f"{name}_small_pages"], times[name])]
+                ratios = [s / h for s, h in zip(times[f"{name}_small_pages", "ms_per_step"],
+                                                times[name, "ms_per_step"])]
                 row[name]["huge_pages_speedup_median"] = round(statistics.median(ratios), 3)
         rows.append(row)
         del kinds

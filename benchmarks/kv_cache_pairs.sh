@@ -2,8 +2,8 @@
 # The KV cache benchmark of docs/BENCHMARKS.md ("KV cache dtypes"), on whatever machine this runs:
 # Anna's decode attention per KV cache dtype (the kernel alone), batch-1 decode at 512, 8K and 32K
 # tokens of context and 16 streams at 4K through the engine, capacity in a 1 GiB budget, and
-# llama.cpp on the same model with -ctk/-ctv f16, q8_0 and q4_0 at the same contexts, one after the
-# other in one run.
+# llama.cpp on the same model with -ctk/-ctv f16, q8_0 and q4_0 at the same contexts (32K: q4_0 and
+# q8_0, benchmarks/llamacpp_context_decode.py), one after the other in one run.
 #
 #   python benchmarks/make_random_model.py --out benchmarks/models/qwen2.5-0.5b
 #   python benchmarks/export_gguf.py ...            # the F16 GGUF of the same model
@@ -19,7 +19,8 @@ F16=${F16:?F16 GGUF}
 TYPES=${TYPES:-float32 bfloat16 int8 fp8_e4m3 turboquant4 turboquant3}  # float32: the baseline (auto on CPU)
 LONG_TYPES=${LONG_TYPES-float32 turboquant4}  # at 32K (each prefills 32K tokens; empty: skipped)
 STEPS=${STEPS:-kernel anna llamacpp}
-LLAMA_DEPTHS=${LLAMA_DEPTHS:-512,8192,32768}  # llama-bench prefills each depth first (32K: over 15 min here)
+LLAMA_DEPTHS=${LLAMA_DEPTHS:-512,8192}  # llama-bench prefills each depth first, for every repetition
+LLAMA_LONG_TYPES=${LLAMA_LONG_TYPES-q4_0 q8_0}  # at 32K, through llama-server (one prefill each, over 30 min here)
 LLAMA_TYPES=${LLAMA_TYPES:-f16 q8_0 q4_0}
 LLAMA_STREAM_TYPES=${LLAMA_STREAM_TYPES:-f16 q8_0 q4_0}
 mkdir -p "$OUT"
@@ -46,6 +47,10 @@ for step in $STEPS; do
         "$LLAMA_BIN/llama-bench" -m "$F16" -t 2 -p 0 -n 32 -d "$LLAMA_DEPTHS" -fa 1 -ctk $t -ctv $t -r 1 -o json \
           > "$OUT/llamacpp_decode_$t.json"
       done
+      if [ -n "$LLAMA_LONG_TYPES" ]; then
+        python benchmarks/llamacpp_context_decode.py --server "$LLAMA_BIN/llama-server" --model "$F16" \
+          --context 32768 --cache-types $LLAMA_LONG_TYPES > "$OUT/llamacpp_32k.json"
+      fi
       for t in $LLAMA_STREAM_TYPES; do  # 16 streams sharing a 4,080-token prompt (-pps), as Anna's
         "$LLAMA_BIN/llama-batched-bench" -m "$F16" -t 2 -c 66560 -b 2048 -ub 512 -npp 4080 -ntg 32 -npl 16 -pps \
           -fa 1 -ctk $t -ctv $t > "$OUT/llamacpp_16x4k_$t.txt" 2>&1
