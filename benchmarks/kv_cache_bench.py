@@ -79,8 +79,10 @@ def main() -> None:
               "threads": torch.get_num_threads(), "model": args.model, "dtype": args.dtype,
               "quantization": args.quantization, "capacity": {}, "batch1": [], "streams": None}
     for dtype in args.kv_cache_dtypes:
+        # one sequence: a hybrid model's per-sequence recurrent state (and its prefix snapshots) would
+        # otherwise take the budget's share of max_num_seqs slots, which is not what a KV row costs
         llm = LLM(args.model, dtype=args.dtype, kv_cache_dtype=dtype, kv_cache_memory=args.budget_gib,
-                  max_model_len=512, cache_dir=args.cache_dir, quantization=args.quantization)
+                  max_model_len=512, max_num_seqs=1, cache_dir=args.cache_dir, quantization=args.quantization)
         plan = llm.llm_engine.cache_plan
         result["capacity"][dtype] = {"bytes_per_token": plan.bytes_per_token, "tokens_in_budget": plan.num_tokens}
         print(dtype, result["capacity"][dtype], flush=True)
