@@ -733,7 +733,7 @@ typedef struct {
     float *tmax;      /* [group]: the tile's maximum score */
     float *scratch;   /* [8, dim]: decoded rows, 64-byte aligned */
     float *qr;        /* [group, dim]: rotated queries (TurboQuant) */
-    float *acc;       /* [group, dim]: the weighted sum of values (rotated, for TurboQuant) */
+    float *acc;       /* [group, dim]: TurboQuant's weighted sum of rotated values (others sum into the output) */
     float *accq;      /* [group, dim]: the part of it summed on VNNI, in vnni_value_order */
     int8_t *qi;       /* [group, dim]: int8 queries for VNNI keys */
 } AttendBuffers;
@@ -747,7 +747,7 @@ INLINE void attend(int kind, const AnnaKVFormat *f, const float *qv, const uint8
                    float scale, const AttendBuffers *b, float *o) {
     int rotated = kind == KV_TQ4 || kind == KV_TQ3;
     float *scores = b->scores, *mx = b->mx, *sum = b->sum, *tmax = b->tmax, *scratch = b->scratch;
-    float *acc = b->acc;
+    float *acc = rotated ? b->acc : o;  /* TurboQuant: rotated back into o at the end */
     __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
     if (rotated) {  /* scores against rotated keys: rotate the queries instead of each key back */
         lo = _mm256_loadu_ps(f->levels);
@@ -911,9 +911,7 @@ INLINE void attend(int kind, const AnnaKVFormat *f, const float *qv, const uint8
         float inv = 1.0f / sum[g];
         for (long i = 0; i < dim; i++) acc[g * dim + i] *= inv;
     }
-    /* TurboQuant: the sum of rotated values, rotated back */
     if (rotated) rotate_rows(f->rotation, acc, o, group, dim, 1);
-    else memcpy(o, acc, sizeof(float) * group * dim);
 }
 
 /* Decode attention over a paged KV cache: one query token per sequence.
