@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import socket
 import struct
 import subprocess
 import sys
@@ -33,27 +32,9 @@ from pathlib import Path
 
 import httpx
 
+from soak import free_port, wait_healthy  # (benchmarks/ is on the path when this runs as a script)
+
 STATE_MAGIC, STATE_VERSION = 0x67677371, 3  # llama.h: LLAMA_STATE_SEQ_MAGIC ('ggsq'), LLAMA_STATE_SEQ_VERSION
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_healthy(http: httpx.Client, server: subprocess.Popen, timeout_s: float = 600.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            raise RuntimeError(f"llama-server exited with code {server.returncode}")
-        try:
-            if http.get("/health").status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError("llama-server did not become healthy")
 
 
 def read_state(path: Path) -> dict:
@@ -119,8 +100,10 @@ def measure(args: argparse.Namespace, cache_type: str, slot_dir: Path) -> dict:
     server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     rng = random.Random(args.seed)
     try:
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=None) as http:
-            wait_healthy(http, server)
+        base = f"http://127.0.0.1:{port}"
+        if not wait_healthy(server, base, timeout_s=600):
+            raise RuntimeError(f"llama-server did not start (exit code {server.returncode})")
+        with httpx.Client(base_url=base, timeout=None) as http:
             real = args.seed_tokens <= 0 or args.seed_tokens >= args.context
             first = [rng.randrange(args.min_token, args.max_token)
                      for _ in range(args.context if real else args.seed_tokens)]

@@ -195,17 +195,24 @@ def start_server(args: list[str], log_path: Path | None = None) -> tuple[subproc
     with open(log_path or os.devnull, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "ANNA_API_KEY": ""})
     base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while True:
+    if not wait_healthy(proc, base):
+        proc.kill()
+        raise SystemExit(f"the server did not start{f'; see {log_path}' if log_path else ''}")
+    return proc, base
+
+
+def wait_healthy(proc: subprocess.Popen, base: str, timeout_s: float = 300.0) -> bool:
+    """Until the server at `base` answers 200 on /health (True), or `proc` exits or the time is up (False).
+    Anna, llama-server and vLLM all answer 503 there while loading."""
+    deadline = time.monotonic() + timeout_s
+    while proc.poll() is None and time.monotonic() < deadline:
         try:
             if httpx.get(base + "/health", timeout=1).status_code == 200:
-                return proc, base
+                return True
         except httpx.TransportError:
             pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise SystemExit(f"the server did not start{f'; see {log_path}' if log_path else ''}")
         time.sleep(0.5)
+    return False
 
 
 def cpu_model() -> str:
