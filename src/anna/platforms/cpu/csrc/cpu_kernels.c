@@ -426,9 +426,27 @@ INLINE const uint8_t *paged_row(const uint8_t *cache, const PagedSeq *s, long p)
     return cache + ((s->table[blk] * s->kv_heads + s->h) * s->block_size + r) * s->row_bytes;
 }
 
-/* Ask for a row that is read once this tile's keys are scored (into L2: a tile's fp32 rows overflow L1). */
-INLINE void prefetch_row(const uint8_t *row, long row_bytes) {
-    for (long b = 0; b < row_bytes; b += 64) _mm_prefetch((const char *)row + b, _MM_HINT_T1);
+/* Whether positions p .. p + count - 1 lie in one block (their rows consecutive in memory). */
+INLINE int same_block(const PagedSeq *s, long p, long count) {
+    return s->shift >= 0 && (p >> s->shift) == ((p + count - 1) >> s->shift);
+}
+
+/* Ask for the lines of `count` consecutive rows from `row` on. */
+INLINE void prefetch_rows(const uint8_t *row, long count, long row_bytes, int hint) {
+    const char *a = (const char *)((uintptr_t)row & ~(uintptr_t)63), *end = (const char *)row + count * row_bytes;
+    for (; a < end; a += 64) {
+        if (hint == _MM_HINT_T0) _mm_prefetch(a, _MM_HINT_T0);
+        else _mm_prefetch(a, _MM_HINT_T1);
+    }
+}
+
+/* Ask for the rows of positions p .. p + count - 1: one span where they share a block. */
+INLINE void prefetch_positions(const uint8_t *cache, const PagedSeq *s, long p, long count, int hint) {
+    if (same_block(s, p, count)) {
+        prefetch_rows(paged_row(cache, s, p), count, s->row_bytes, hint);
+        return;
+    }
+    for (long j = 0; j < count; j++) prefetch_rows(paged_row(cache, s, p + j), 1, s->row_bytes, hint);
 }
 
 /* The rows of positions p .. p + 7 as fp32 into rows[], asking for the next eight (up to n)
@@ -448,10 +466,7 @@ INLINE void paged_rows8(int kind, const uint8_t *cache, const PagedSeq *s, long 
             kv_decode_row(kind, row, dim, lo, hi, scratch + j * dim);
             rows[j] = scratch + j * dim;
         }
-        if (p + 8 + j < n) {
-            const char *next = (const char *)paged_row(cache, s, p + 8 + j);
-            for (long b = 0; b < s->row_bytes; b += 64) _mm_prefetch(next + b, _MM_HINT_T0);
-        }
+        if (p + 8 + j < n) prefetch_rows(paged_row(cache, s, p + 8 + j), 1, s->row_bytes, _MM_HINT_T0);
     }
 }
 
@@ -617,15 +632,30 @@ INLINE void scores16_vnni(int kind, const uint8_t *const rows[16], const float *
     }
 }
 
-/* The stored rows of positions p .. p + 15 and their scales times `lscale`, asking for the next
- * sixteen (up to n) meanwhile. */
+/* The stored rows of positions p .. p + 15 and their scales times `lscale`, asking for the sixteen
+ * ROWS16_AHEAD positions on (up to n) meanwhile. Rows of one block are consecutive, so their
+ * addresses follow from the first and their fp16 scales come in one gather (from two bytes before
+ * each, so that nothing past a row is read). */
+#define ROWS16_AHEAD 32
 INLINE void paged_rows16(int kind, const uint8_t *cache, const PagedSeq *s, long p, long n, long dim, float lscale,
                          const uint8_t *rows[16], float *rowscale) {
-    for (int j = 0; j < 16; j++) {
-        rows[j] = paged_row(cache, s, p + j);
-        rowscale[j] = kv_row_scale(kind, rows[j], dim) * lscale;
-        if (p + 16 + j < n) _mm_prefetch((const char *)paged_row(cache, s, p + 16 + j), _MM_HINT_T0);
+    if (same_block(s, p, 16)) {
+        const uint8_t *first = paged_row(cache, s, p);
+        long rb = s->row_bytes;
+        for (int j = 0; j < 16; j++) rows[j] = first + j * rb;
+        __m512i offs = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                          _mm512_set1_epi32((int)rb));
+        __m512i words = _mm512_i32gather_epi32(offs, first + kv_data_bytes(kind, dim) - 2, 1);
+        __m512 sc = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(words, 16)));
+        _mm512_storeu_ps(rowscale, _mm512_mul_ps(sc, _mm512_set1_ps(lscale)));
+    } else {
+        for (int j = 0; j < 16; j++) {
+            rows[j] = paged_row(cache, s, p + j);
+            rowscale[j] = kv_row_scale(kind, rows[j], dim) * lscale;
+        }
     }
+    long q = p + ROWS16_AHEAD;
+    if (q < n) prefetch_positions(cache, s, q, n - q < 16 ? n - q : 16, _MM_HINT_T0);
 }
 
 /* Each head's query as int8 with its own scale (round to nearest), and the sum of its int8 values. */
@@ -785,7 +815,7 @@ INLINE void attend(int kind, const AnnaKVFormat *f, const float *qv, const uint8
         for (; vnni && p + 16 <= t1; p += 16) {
             const uint8_t *rows[16];
             paged_rows16(kind, k_cache, seq, p, n, dim, lscale, rows, rowscale);
-            for (int j = 0; j < 16; j++) prefetch_row(paged_row(v_cache, seq, p + j), seq->row_bytes);
+            prefetch_positions(v_cache, seq, p, 16, _MM_HINT_T1);
 #define SCORES16(g, nh) scores16_vnni(kind, rows, rowscale, b->qi + (g) * dim, qscale + (g), qsum + (g), nh, dim, \
                                       scale, klut, scores + (g) * ATTN_TILE + p - t0, ATTN_TILE, tmax + (g))
             HEAD_PASSES(group, VNNI_MAX_HEADS, SCORES16);
@@ -796,7 +826,7 @@ INLINE void attend(int kind, const AnnaKVFormat *f, const float *qv, const uint8
         for (; dim % 8 == 0 && p + 8 <= t1; p += 8) {
             const float *kr[8];
             paged_rows8(kind, k_cache, seq, p, n, dim, lo, hi, scratch, kr);
-            for (int j = 0; j < 8; j++) prefetch_row(paged_row(v_cache, seq, p + j), seq->row_bytes);
+            for (int j = 0; j < 8; j++) prefetch_rows(paged_row(v_cache, seq, p + j), 1, seq->row_bytes, _MM_HINT_T1);
 #ifdef __AVX512F__
             if (dim % 16 == 0) {
 #define SCORES(g, nh) scores8_512(qv + (g) * dim, kr, nh, dim, scale, scores + (g) * ATTN_TILE + p - t0, ATTN_TILE, \
