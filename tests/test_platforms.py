@@ -68,6 +68,14 @@ def test_cpu_budget_is_a_share_of_available_ram_capped_by_what_can_be_used():
     assert read_host_memory().free > 0
 
 
+def test_cpu_budget_cap_counts_whole_blocks():
+    """A max_model_len that is not a multiple of the block size still fits max_num_seqs sequences:
+    each one's last block is partly used (276 tokens take 18 blocks of 16, not 17.25)."""
+    plan = plan_caches([ATTN] * 2, CpuPlatform(torch.device("cpu")), block_size=16, max_model_len=276,
+                       kv_cache_memory_gib=0, num_blocks_override=0, memory_utilization=0.9, max_num_seqs=3)
+    assert plan.num_blocks == 3 * 18
+
+
 def test_plan_reports_each_kind_and_the_concurrency_that_follows():
     specs = [STATE, STATE, STATE, ATTN]  # a hybrid model: three recurrent layers, one attention layer
     plan = plan_caches(specs, CpuPlatform(torch.device("cpu")), block_size=16, max_model_len=64,

@@ -120,8 +120,8 @@ def plan_caches(specs: list[CacheSpec], platform: Platform, *, block_size: int, 
             budget, source = int(kv_cache_memory_gib * GIB), f"kv_cache_memory={kv_cache_memory_gib} GiB"
         else:
             found = platform.kv_budget(memory_utilization=memory_utilization, reserve=reserve,
-                                       workspace=workspace_bytes, enough=max_num_seqs * max_model_len * per_token
-                                       + state_bytes)
+                                       workspace=workspace_bytes,  # in whole blocks: a sequence's last is partly used
+                                       enough=max_num_seqs * -(-max_model_len // block_size) * per_block + state_bytes)
             budget, source = found.bytes, found.source
             steps += found.steps
             if ranks_sharing_memory > 1:
