@@ -11,6 +11,9 @@ all but their last 16 tokens, so that the run's prefill stays short; their KV re
 N sequences of C tokens, the shared blocks read once per sequence). Capacity: the tokens the pool
 holds in ``--budget-gib`` of KV memory (the start-up memory plan), and the bytes per token.
 Greedy agreement: the decoded tokens of each dtype against the first dtype's, same prompt.
+``--repeat-prompt N``: a prompt of N tokens sent twice, its second time-to-first-token served by
+paged prefix blocks (the exact prompt cache off) and by the exact prompt cache (4 entries), for
+each dtype: the measurement behind the exact prompt cache's automatic default.
 """
 
 from __future__ import annotations
@@ -57,6 +60,24 @@ def decode_run(llm: LLM, prompts: list[list[int]], new_tokens: int) -> tuple[flo
     return first - t0, rate, [tokens[k] for k in sorted(tokens)]
 
 
+def repeat_prompt(args, prompt: list[int]) -> dict:
+    """TTFT of a prompt's first and second sending, served the second time by paged prefix blocks
+    or by the exact prompt cache, per dtype; the decoded tokens compared with the first sending's."""
+    out = {"tokens": len(prompt)}
+    for dtype in args.kv_cache_dtypes:
+        for mode, size in (("prefix_blocks", 0), ("exact_prompt_cache", 4)):
+            llm = LLM(args.model, dtype=args.dtype, kv_cache_dtype=dtype, max_model_len=len(prompt) + args.new_tokens + 16,
+                      max_num_seqs=1, quantization=args.quantization, cache_dir=args.cache_dir, enable_prefix_caching=True,
+                      prompt_cache_size=size, prompt_cache_max_tokens=max(len(prompt), 2048))
+            cold, _, first = decode_run(llm, [prompt], args.new_tokens)
+            warm, _, again = decode_run(llm, [prompt], args.new_tokens)
+            out.setdefault(dtype, {})[mode] = {"ttft_cold_s": round(cold, 3), "ttft_repeat_s": round(warm, 3),
+                                              "same_tokens": first == again}
+            print("repeat", dtype, mode, out[dtype][mode], flush=True)
+            del llm
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True)
@@ -67,6 +88,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--streams", type=int, default=0)
     ap.add_argument("--stream-context", type=int, default=4096)
+    ap.add_argument("--repeat-prompt", type=int, default=0)
     ap.add_argument("--budget-gib", type=float, default=1.0)
     ap.add_argument("--cache-dir", default="~/.cache/anna")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/kv_cache_bench.json"))
@@ -77,7 +99,7 @@ def main() -> None:
                    platform.processor() or platform.machine())
     result = {"cpu": cpu, "torch": torch.__version__,
               "threads": torch.get_num_threads(), "model": args.model, "dtype": args.dtype,
-              "quantization": args.quantization, "capacity": {}, "batch1": [], "streams": None}
+              "quantization": args.quantization, "capacity": {}, "batch1": [], "streams": None, "repeat_prompt": None}
     for dtype in args.kv_cache_dtypes:
         # one sequence: a hybrid model's per-sequence recurrent state (and its prefix snapshots) would
         # otherwise take the budget's share of max_num_seqs slots, which is not what a KV row costs
@@ -113,6 +135,8 @@ def main() -> None:
             print("streams", dtype, row[dtype], flush=True)
             del llm
         result["streams"] = row
+    if args.repeat_prompt:
+        result["repeat_prompt"] = repeat_prompt(args, [rng.randrange(3, 700) for _ in range(args.repeat_prompt)])
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
     print(json.dumps(result, indent=1))
