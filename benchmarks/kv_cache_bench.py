@@ -13,7 +13,8 @@ holds in ``--budget-gib`` of KV memory (the start-up memory plan), and the bytes
 Greedy agreement: the decoded tokens of each dtype against the first dtype's, same prompt.
 ``--repeat-prompt N``: a prompt of N tokens sent twice, its second time-to-first-token served by
 paged prefix blocks (the exact prompt cache off) and by the exact prompt cache (4 entries), for
-each dtype: the measurement behind the exact prompt cache's automatic default.
+each dtype, then the same prompt with its last 32 tokens changed (a shared system prompt, a new
+question): the measurement behind the exact prompt cache's automatic default.
 """
 
 from __future__ import annotations
@@ -71,7 +72,9 @@ def repeat_prompt(args, prompt: list[int]) -> dict:
                       prompt_cache_size=size, prompt_cache_max_tokens=max(len(prompt), 2048))
             cold, _, first = decode_run(llm, [prompt], args.new_tokens)
             warm, _, again = decode_run(llm, [prompt], args.new_tokens)
+            shared, _, _ = decode_run(llm, [prompt[:-32] + [t + 1 for t in prompt[-32:]]], args.new_tokens)
             out.setdefault(dtype, {})[mode] = {"ttft_cold_s": round(cold, 3), "ttft_repeat_s": round(warm, 3),
+                                              "ttft_same_prefix_new_tail_s": round(shared, 3),
                                               "same_tokens": first == again}
             print("repeat", dtype, mode, out[dtype][mode], flush=True)
             del llm

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The KV cache benchmark of docs/BENCHMARKS.md ("KV cache dtypes"), on whatever machine this runs:
 # Anna's decode attention per KV cache dtype (the kernel alone), batch-1 decode at 512, 8K and 32K
-# tokens of context and 16 streams at 4K through the engine, capacity in a 1 GiB budget, and
+# tokens of context and 16 streams at 4K through the engine, capacity in a 1 GiB budget, a repeated
+# 2,048-token prompt served by prefix blocks and by the exact prompt cache, and
 # llama.cpp on the same model with -ctk/-ctv f16, q8_0 and q4_0 at the same contexts (32K: q4_0 and
 # q8_0, benchmarks/llamacpp_context_decode.py), one after the other in one run.
 #
@@ -35,7 +36,7 @@ for step in $STEPS; do
         > "$OUT/attention_16x4k.json" ;;
     anna)
       python benchmarks/kv_cache_bench.py --model "$MODEL" --contexts 512 8192 --kv-cache-dtypes $TYPES \
-        --streams 16 --stream-context 4096 --out "$OUT/anna_512_8k_streams.json"
+        --streams 16 --stream-context 4096 --repeat-prompt 2048 --out "$OUT/anna_512_8k_streams.json"
       if [ -n "$LONG_TYPES" ]; then  # bf16 weights, then int4 (where the KV's share of a step is larger)
         for q in none int4; do
           python benchmarks/kv_cache_bench.py --model "$MODEL" --quantization $q --contexts 32768 \
