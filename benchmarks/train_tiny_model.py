@@ -262,7 +262,8 @@ def main() -> None:
         f"Anna's {args.size} model: a Qwen3 of {params / 1e6:.2f} M parameters trained on synthetic tasks "
         f"(benchmarks/tiny_tasks.py).\n\n"
         f"    python benchmarks/train_tiny_model.py --size {args.size} --seed {args.seed} --steps {args.steps} "
-        f"--tokens-per-step {args.tokens_per_step} --max-lines {args.max_lines} --out DIR\n\n"
+        f"--tokens-per-step {args.tokens_per_step} --max-lines {args.max_lines} --threads {args.threads} "
+        f"--out DIR\n\n"
         f"model.safetensors sha256: {digest}\n")
     print(f"wrote {args.out} in {time.perf_counter() - t0:.0f} s; model.safetensors sha256 {digest}")
 

@@ -41,7 +41,7 @@ from anna.runtime.speculative.factory import build_speculative_decoder
 from anna.runtime.state_cache import StateCacheManager
 from anna.runtime.structured_output import StructuredOutputCompiler
 from anna.weights.chat_template import load_chat_template, template_reasoning_format, template_tool_format
-from anna.weights.demo_model import DEMO_NOTICE, ensure_demo_model
+from anna.weights.demo_model import DEMO_DRAFT_ALIAS, DEMO_NOTICE, ensure_demo_model
 from anna.weights.gguf_checkpoint import GGUF_TYPES_KEY, find_gguf, lm_head_method, prepare_gguf_model, quant_choice
 from anna.weights.loader import Int4CacheOptions, TensorParallelLoad, load_model
 from anna.weights.prequantized import checkpoint_quantization
@@ -173,6 +173,8 @@ def _build_engine_parts(s: ResolvedSettings, show_progress: bool, recalibrate: b
     sec = s.sections
     m, c, sch, ex, cpu = sec.model, sec.cache, sec.scheduler, sec.execution, sec.cpu
     spec_config = load_speculative_config(sch.speculative_config)
+    if spec_config is not None and spec_config.model == DEMO_DRAFT_ALIAS:
+        spec_config = dataclasses.replace(spec_config, model=str(ensure_demo_model(m.cache_dir, draft=True)))
     if spec_config is not None and spec_config.method == "mtp":
         if not cfg.mtp_num_hidden_layers:
             raise ValueError(f"speculative_config.method: mtp needs a checkpoint with a multi-token-prediction "

@@ -1,6 +1,14 @@
-"""The built-in demo model: a tiny Qwen2-architecture model with seeded random weights and a real
-byte-level BPE tokenizer, written on first use into the cache dir, so that a fresh install runs
-end to end with no download. Its text is meaningless by construction."""
+"""The built-in demo model, and the demo tokenizer of the tests' random-weight models.
+
+The demo model is a Qwen3 of 3.4 M parameters trained on synthetic tasks by
+``benchmarks/train_tiny_model.py`` (``anna bench``'s passcode archives, copying a passage, copying
+it with a word replaced, two-number sums). Its bf16 weights ship in the package (``demo/``, with a
+2-layer draft model in ``demo_draft/`` for draft-model speculation) and are copied into the cache
+dir on first use after their checksum is checked, so a fresh install runs end to end with no
+download, and answers those tasks.
+
+``write_demo_tokenizer`` writes the smaller byte-level BPE that the tests' random-weight models
+and ``benchmarks/make_random_model.py`` use."""
 
 from __future__ import annotations
 
@@ -11,13 +19,22 @@ import shutil
 import tempfile
 from pathlib import Path
 
-import torch
-from safetensors.torch import save_file
+from anna.model.config import ModelLoadError
+from anna.weights.int4_cache import file_sha256
 
 log = logging.getLogger(__name__)
 
-DEMO_NAME = "anna-demo-qwen2-v1"
-DEMO_NOTICE = "the built-in demo model has random weights: its output text is meaningless"
+DEMO_NAME = "anna-demo-qwen3-v2"
+DEMO_DRAFT_NAME = "anna-demo-draft-qwen3-v2"
+DEMO_NOTICE = ("the built-in demo model is tiny and trained only on synthetic tasks (retrieving a passcode from an "
+               "archive, copying a passage, two-number sums): it knows nothing else")
+DEMO_DRAFT_ALIAS = "anna-demo-draft"  # speculative_config {"model": "anna-demo-draft"} names the shipped draft
+SHIPPED = Path(__file__).resolve().parent
+# model.safetensors' SHA-256 of each shipped model, as train_tiny_model.py wrote it in the model's README.md
+SHIPPED_SHA256 = {
+    DEMO_NAME: ("demo", "c3987386e735f63cf5ae6826deda95ad410862569ae92987247b93df38dc8947"),
+    DEMO_DRAFT_NAME: ("demo_draft", "0cbe5843baaf3e72cc5188a3f9b01068c8311456a76cf1cb5177898f73ce9217"),
+}
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 VOCAB_SIZE = 1024
 CHATML = (
@@ -63,50 +80,24 @@ def write_demo_tokenizer(target: Path) -> tuple[int, int, int]:
     return tok.get_vocab_size(), tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")
 
 
-def write_demo_model(target: Path, seed: int = 0) -> None:
-    """Write the demo model files into ``target`` (an empty directory)."""
-    vocab, eos, endoftext = write_demo_tokenizer(target)
-    config = {
-        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 64,
-        "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "vocab_size": vocab, "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
-        "tie_word_embeddings": True, "hidden_act": "silu", "torch_dtype": "float32",
-        "bos_token_id": endoftext, "eos_token_id": eos, "use_sliding_window": False,
-    }
-    (target / "config.json").write_text(json.dumps(config, indent=2))
-    (target / "generation_config.json").write_text(json.dumps({"eos_token_id": [eos, endoftext]}))
-    gen = torch.Generator().manual_seed(seed)
-    h, inter, kv = 64, 128, 2 * 16
-
-    def rand(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=gen) * 0.5 / shape[-1] ** 0.5
-
-    tensors = {"model.embed_tokens.weight": rand(vocab, h), "model.norm.weight": torch.ones(h)}
-    for i in range(2):
-        p = f"model.layers.{i}."
-        tensors.update({
-            p + "input_layernorm.weight": torch.ones(h), p + "post_attention_layernorm.weight": torch.ones(h),
-            p + "self_attn.q_proj.weight": rand(h, h), p + "self_attn.q_proj.bias": rand(h),
-            p + "self_attn.k_proj.weight": rand(kv, h), p + "self_attn.k_proj.bias": rand(kv),
-            p + "self_attn.v_proj.weight": rand(kv, h), p + "self_attn.v_proj.bias": rand(kv),
-            p + "self_attn.o_proj.weight": rand(h, h),
-            p + "mlp.gate_proj.weight": rand(inter, h), p + "mlp.up_proj.weight": rand(inter, h),
-            p + "mlp.down_proj.weight": rand(h, inter),
-        })
-    save_file(tensors, str(target / "model.safetensors"))
-    (target / "README.md").write_text(f"{DEMO_NAME}: {DEMO_NOTICE}.\n")
-
-
-def ensure_demo_model(cache_dir: str | Path) -> Path:
-    """Path of the demo model, creating it atomically on first use."""
+def ensure_demo_model(cache_dir: str | Path, draft: bool = False) -> Path:
+    """Path of the demo model (or its draft) in the cache dir, copied there atomically on first use."""
+    name = DEMO_DRAFT_NAME if draft else DEMO_NAME
     cache_dir = Path(cache_dir).expanduser()
-    target = cache_dir / DEMO_NAME
+    target = cache_dir / name
     if (target / "model.safetensors").exists():
         return target
+    folder, expected = SHIPPED_SHA256[name]
+    source = SHIPPED / folder
+    if file_sha256(source / "model.safetensors") != expected:
+        raise ModelLoadError(f"{source / 'model.safetensors'}: checksum mismatch (the package's demo model is "
+                             f"damaged; reinstall Anna)")
     cache_dir.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=DEMO_NAME + ".", dir=cache_dir))
+    tmp = Path(tempfile.mkdtemp(prefix=name + ".", dir=cache_dir))
     try:
-        write_demo_model(tmp)
+        for file in source.iterdir():
+            if file.is_file():
+                shutil.copyfile(file, tmp / file.name)
         try:
             os.replace(tmp, target)
         except OSError:  # another process won the race
@@ -114,5 +105,5 @@ def ensure_demo_model(cache_dir: str | Path) -> Path:
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    log.info("Created the demo model in %s", target)
+    log.info("Copied the %s model into %s", "demo draft" if draft else "demo", target)
     return target

@@ -57,7 +57,8 @@ def cache_root(model_dir: Path, override: str, user_cache_dir: str) -> Path:
         return Path(user_cache_dir).expanduser() / "int4_cache" / digest
 
 
-def _sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
+    """A file's SHA-256, read in 4 MiB chunks."""
     h = hashlib.sha256()
     with open(path, "rb") as fh:
         for chunk in iter(lambda: fh.read(1 << 22), b""):
@@ -80,7 +81,7 @@ def load_entry(entry: Path, workers: int) -> dict[str, torch.Tensor] | None:
     def read(name: str) -> dict[str, torch.Tensor] | None:
         path = entry / name
         meta = files[name]
-        if not path.exists() or path.stat().st_size != meta["size"] or _sha256(path) != meta["sha256"]:
+        if not path.exists() or path.stat().st_size != meta["size"] or file_sha256(path) != meta["sha256"]:
             return None
         try:
             return load_file(str(path))
@@ -113,7 +114,7 @@ def save_entry(entry: Path, state: dict[str, torch.Tensor], num_files: int) -> N
         for i, bucket in enumerate(b for b in buckets if b):
             name = f"part-{i:03d}.safetensors"
             save_file(bucket, str(tmp / name))
-            files[name] = {"size": (tmp / name).stat().st_size, "sha256": _sha256(tmp / name)}
+            files[name] = {"size": (tmp / name).stat().st_size, "sha256": file_sha256(tmp / name)}
         (tmp / MANIFEST).write_text(json.dumps({"format": FORMAT_VERSION, "files": files}, indent=1))
         if entry.exists():
             shutil.rmtree(entry)
