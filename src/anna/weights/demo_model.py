@@ -2,7 +2,7 @@
 
 The demo model is a Qwen3 of 3.4 M parameters trained on synthetic tasks by
 ``benchmarks/train_tiny_model.py`` (``anna bench``'s passcode archives, copying a passage, copying
-it with a word replaced, two-number sums). Its bf16 weights ship in the package (``demo/``, with a
+it with a word replaced; two-number sums were in its data but are not learned). Its bf16 weights ship in the package (``demo/``, with a
 2-layer draft model in ``demo_draft/`` for draft-model speculation) and are copied into the cache
 dir on first use after their checksum is checked, so a fresh install runs end to end with no
 download, and answers those tasks.
@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 DEMO_NAME = "anna-demo-qwen3-v2"
 DEMO_DRAFT_NAME = "anna-demo-draft-qwen3-v2"
 DEMO_NOTICE = ("the built-in demo model is tiny and trained only on synthetic tasks (retrieving a passcode from an "
-               "archive, copying a passage, two-number sums): it knows nothing else")
+               "archive of up to about 2K tokens, copying a passage): it knows nothing else")
 DEMO_DRAFT_ALIAS = "anna-demo-draft"  # speculative_config {"model": "anna-demo-draft"} names the shipped draft
 SHIPPED = Path(__file__).resolve().parent
 # model.safetensors' SHA-256 of each shipped model, as train_tiny_model.py wrote it in the model's README.md
