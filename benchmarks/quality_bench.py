@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import random
 import sys
 import time
@@ -31,13 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import tiny_tasks  # noqa: E402
 from anna import LLM, SamplingParams  # noqa: E402
 from anna.bench.scenarios import passcode_question  # noqa: E402
-
-
-def cpu_name() -> str:
-    for line in open("/proc/cpuinfo"):
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown"
+from spec_decode_bench import cpu_name  # noqa: E402
 
 
 def user(text: str) -> list[dict]:

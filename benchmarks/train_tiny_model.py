@@ -41,7 +41,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import tiny_tasks  # noqa: E402
-from anna.weights.demo_model import CHATML, CORPUS, SPECIAL_TOKENS  # noqa: E402
+from anna.weights.demo_model import CORPUS, save_tokenizer, train_bpe  # noqa: E402
 
 SIZES = {
     # hidden, layers, heads, kv heads, head dim, intermediate
@@ -50,7 +50,6 @@ SIZES = {
     "draft": dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1, head_dim=64,
                   intermediate_size=384),
 }
-VOCAB_SIZE = 1024
 SYSTEM = "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
 
 
@@ -60,22 +59,13 @@ def chat_prefix(prompt: str) -> str:
 
 
 def train_tokenizer(seed: int):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
     rng = random.Random(seed)
     texts = list(CORPUS)
     for _ in range(300):
         for chat in (tiny_tasks.retrieval(rng, 6), tiny_tasks.copy(rng, 40), tiny_tasks.edit(rng, 20),
                      tiny_tasks.arithmetic(rng)):
             texts.append(chat_prefix(chat.prompt) + chat.answer + "<|im_end|>\n")
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
-                                                 pre_tokenizers.ByteLevel(add_prefix_space=False)])
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, special_tokens=SPECIAL_TOKENS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(texts, trainer)
-    return tok
+    return train_bpe(texts, individual_digits=True)
 
 
 class Batches:
@@ -157,10 +147,7 @@ def write_model(model, tok, out: Path, args: argparse.Namespace) -> str:
     from safetensors.torch import save_file
 
     out.mkdir(parents=True, exist_ok=True)
-    tok.save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(json.dumps({
-        "chat_template": CHATML, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "bos_token": None,
-        "model_max_length": model.config.max_position_embeddings}, indent=2) + "\n")
+    save_tokenizer(tok, out, model.config.max_position_embeddings)
     config = model.config.to_dict()
     keep = ("architectures", "model_type", "hidden_size", "intermediate_size", "num_hidden_layers",
             "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings",
@@ -191,7 +178,8 @@ def main() -> None:
     ap.add_argument("--max-words", type=int, default=160, help="longest passage to copy")
     ap.add_argument("--mimetic", type=float, default=0.8, help="weight of the mimetic attention initialization")
     ap.add_argument("--copy-loss", type=float, default=1.0,
-                    help="the first phase (short copies only) ends when the copy loss falls below this, or at 50%%")
+                    help="the first phase (short copies and edits) ends when the copy loss falls below this, "
+                         "or at 50%% of the steps")
     ap.add_argument("--retrieval-loss", type=float, default=0.2,
                     help="archives double in length each time the retrieval loss falls below this")
     ap.add_argument("--max-positions", type=int, default=4096,
@@ -210,8 +198,9 @@ def main() -> None:
     tok = train_tokenizer(args.seed)
     eot, endoftext = tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")
     config = Qwen3Config(vocab_size=tok.get_vocab_size(), max_position_embeddings=args.max_positions,
-                         rms_norm_eps=1e-6, rope_theta=args.rope_theta, tie_word_embeddings=True, bos_token_id=endoftext,
-                         eos_token_id=eot, attention_bias=False, attn_implementation="sdpa", **SIZES[args.size])
+                         rms_norm_eps=1e-6, rope_theta=args.rope_theta, tie_word_embeddings=True,
+                         bos_token_id=endoftext, eos_token_id=eot, attention_bias=False, attn_implementation="sdpa",
+                         **SIZES[args.size])
     config.rope_parameters = {"rope_type": "default", "rope_theta": args.rope_theta}
     model = Qwen3ForCausalLM(config)
     mimetic_init(model, args.mimetic)

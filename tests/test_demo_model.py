@@ -15,7 +15,6 @@ from anna import LLM, SamplingParams
 from anna.bench.scenarios import archive_text, passcode_question
 from anna.model.config import ModelLoadError
 from anna.runtime.engine import LLMEngine
-from anna.weights import demo_model
 from anna.weights.demo_model import DEMO_DRAFT_NAME, DEMO_NAME, SHIPPED, SHIPPED_SHA256, ensure_demo_model
 from anna.weights.int4_cache import file_sha256
 from conftest import engine_settings

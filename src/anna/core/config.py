@@ -212,7 +212,8 @@ class ServeSettings:
     speculative_config: str | None = _setting(
         "", "Speculative decoding as a JSON object, as vLLM takes it: {\"method\": \"ngram\" | \"draft_model\" | "
             "\"mtp\", \"num_speculative_tokens\": K, ...} with prompt_lookup_min/prompt_lookup_max (ngram), model "
-            "(draft_model: a directory, or anna-demo-draft for the demo model's own draft), disable_by_batch_size and min_acceptance_rate; empty = off.",
+            "(draft_model: a directory, or anna-demo-draft for the demo model's own draft), disable_by_batch_size "
+            "and min_acceptance_rate; empty = off.",
         parse=parse_speculative_config)
 
     # Warmup (serving)

@@ -2,10 +2,10 @@
 
 The demo model is a Qwen3 of 3.4 M parameters trained on synthetic tasks by
 ``benchmarks/train_tiny_model.py`` (``anna bench``'s passcode archives, copying a passage, copying
-it with a word replaced; two-number sums were in its data but are not learned). Its bf16 weights ship in the package (``demo/``, with a
-2-layer draft model in ``demo_draft/`` for draft-model speculation) and are copied into the cache
-dir on first use after their checksum is checked, so a fresh install runs end to end with no
-download, and answers those tasks.
+it with a word replaced; two-number sums were in its data but are not learned). Its bf16 weights
+ship in the package (``demo/``, with a 4-layer draft model in ``demo_draft/`` for draft-model
+speculation) and are copied into the cache dir on first use after their checksum is checked, so a
+fresh install runs end to end with no download, and answers those tasks.
 
 ``write_demo_tokenizer`` writes the smaller byte-level BPE that the tests' random-weight models
 and ``benchmarks/make_random_model.py`` use."""
@@ -58,25 +58,34 @@ CORPUS = [
 ]
 
 
-def _build_tokenizer():
+def train_bpe(texts: list[str], individual_digits: bool = False):
+    """A byte-level BPE of VOCAB_SIZE tokens with the chat special tokens, trained on ``texts``
+    (digits split one per token when asked: the trained demo model spells numbers that way)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.pre_tokenizer = (pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+                         if individual_digits else byte_level)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, special_tokens=SPECIAL_TOKENS, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(CORPUS * 4, trainer)
+    tok.train_from_iterator(texts, trainer)
     return tok
+
+
+def save_tokenizer(tok, target: Path, model_max_length: int) -> None:
+    """tokenizer.json, and tokenizer_config.json with the ChatML template and its special tokens."""
+    tok.save(str(target / "tokenizer.json"))
+    (target / "tokenizer_config.json").write_text(json.dumps({
+        "chat_template": CHATML, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "bos_token": None,
+        "model_max_length": model_max_length}, indent=2))
 
 
 def write_demo_tokenizer(target: Path) -> tuple[int, int, int]:
     """Write tokenizer.json and tokenizer_config.json; return (vocab size, <|im_end|> id, <|endoftext|> id)."""
-    tok = _build_tokenizer()
-    tok.save(str(target / "tokenizer.json"))
-    (target / "tokenizer_config.json").write_text(json.dumps({
-        "chat_template": CHATML, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "bos_token": None,
-        "model_max_length": 4096}, indent=2))
+    tok = train_bpe(CORPUS * 4)
+    save_tokenizer(tok, target, 4096)
     return tok.get_vocab_size(), tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")
 
 
