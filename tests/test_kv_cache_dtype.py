@@ -64,6 +64,16 @@ def test_turboquant_round_trip_error_is_the_published_one_for_any_vector(name, b
     assert abs(squared_error(fmt, big).mean().item() / 300.0 ** 2 - published) < 0.15 * published
 
 
+@pytest.mark.parametrize("name", ["turboquant4", "turboquant3"])
+def test_turboquant_rows_keep_their_length(name):
+    """The stored scale makes a decoded row exactly as long as the row (to the fp16 scale's 2^-11):
+    the bare levels shrink each row by its own few percent, which scales keys' scores unevenly."""
+    fmt = KVFormat(name, 64)
+    x = torch.randn(1000, 64, generator=torch.Generator().manual_seed(5)) * torch.logspace(-2, 2, 1000).unsqueeze(1)
+    kept = fmt.decode(fmt.encode(x)).norm(dim=-1) / x.norm(dim=-1)
+    assert torch.allclose(kept, torch.ones(1000), atol=1e-3), kept.sub(1).abs().max()
+
+
 def test_turboquant_rotation_and_levels():
     for dim in (64, 128):
         r = rotation(dim)
@@ -122,6 +132,7 @@ def test_kernel_writes_the_reference_bytes(kernels, name):
         same = (stored == ref).float().mean().item()  # boundary may fall on the other side
         assert same > 0.99
         assert torch.allclose(fmt.decode(stored), fmt.decode(ref), atol=0.5)
+        assert torch.allclose(fmt.decode(stored).norm(dim=-1), rows.norm(dim=-1), rtol=1e-3)
     else:
         assert torch.equal(stored.view(torch.uint8), ref.view(torch.uint8))
 

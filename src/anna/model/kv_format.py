@@ -1,19 +1,23 @@
 """How a paged attention layer stores its K and V rows (``--kv-cache-dtype``).
 
 Float formats keep a row as ``head_dim`` values of their dtype. Quantized formats keep it as bytes:
-the row's data, then its scale (int8, fp8) or norm (TurboQuant) as one fp16 value, so a block
-holds its own scales and every copy of rows (prefix blocks, the exact prompt cache, memory release)
-moves them along without knowing the format:
+the row's data, then its scale as one fp16 value, so a block holds its own scales and every copy
+of rows (prefix blocks, the exact prompt cache, memory release) moves them along without knowing
+the format:
 
 - ``int8``: symmetric, ``round(x / s)`` with ``s = max|x| / 127`` per row (head_dim + 2 bytes).
 - ``fp8_e4m3``: ``x / s`` in float8 e4m3 with ``s = max|x| / 448`` per row (head_dim + 2 bytes).
-- ``turboquant4`` / ``turboquant3`` (TurboQuant, Zandieh et al. 2025, its MSE variant): the row's
-  norm, and each coordinate of the unit row after a fixed random rotation as the index of the
-  nearest of 16 / 8 levels (head_dim / 2 or 3 * head_dim / 8 bytes + 2). After a random rotation
-  every coordinate of a unit vector follows the same law whatever the vector, the marginal of a
-  uniform point on the sphere, density proportional to (1 - x^2)^((d - 3) / 2); the levels are the
+- ``turboquant4`` / ``turboquant3`` (TurboQuant, Zandieh et al. 2025, its MSE variant): each
+  coordinate of the unit row after a fixed random rotation as the index of the nearest of 16 / 8
+  levels (head_dim / 2 or 3 * head_dim / 8 bytes + 2), and a scale. After a random rotation every
+  coordinate of a unit vector follows the same law whatever the vector, the marginal of a uniform
+  point on the sphere, density proportional to (1 - x^2)^((d - 3) / 2); the levels are the
   Lloyd-Max quantizer of that law (``lloyd_max_levels``), so the error is data-oblivious: about
-  0.0095 (4 bits) and 0.034 (3 bits) squared error per unit vector. The rotation is one seeded
+  0.0095 (4 bits) and 0.034 (3 bits) squared error per unit vector. The scale is the row's norm
+  divided by the norm of its levels, so a decoded row is exactly as long as the row was: the
+  levels alone shrink a row by a few percent, by a different amount for each row, which scales
+  each key's attention score by its own error and cost the demo model retrievals that fp32 rows
+  make (docs/BENCHMARKS.md, "Answer quality"). The rotation is one seeded
   random orthogonal matrix per head size, the same for every head and layer; attention rotates
   the query by it instead of rotating every key back, and rotates its output back once.
 
@@ -36,7 +40,7 @@ KV_CACHE_DTYPE_ALIASES = {"fp8": "fp8_e4m3"}  # vLLM's name
 ROTATION_SEED = 20250428  # fixed: a cache's rows are read with the rotation they were written with
 FP8_MAX = 448.0  # the largest float8 e4m3 value
 INT8_MAX = 127.0
-SCALE_BYTES = 2  # the fp16 scale or norm at the end of a quantized row
+SCALE_BYTES = 2  # the fp16 scale at the end of a quantized row
 
 
 def canonical_kv_cache_dtype(name: str) -> str:
@@ -93,10 +97,11 @@ class KVFormat:
         x = x.float()
         if self.name in TURBOQUANT_BITS:
             norm = x.norm(dim=-1, keepdim=True)
-            scale = norm.half()
             unit = x / norm.clamp_min(torch.finfo(torch.float32).tiny)
             rotated = unit @ rotation(self.head_dim, x.device).T
-            idx = torch.bucketize(rotated, turboquant_levels(self.head_dim, TURBOQUANT_BITS[self.name], x.device)[1])
+            levels, bounds = turboquant_levels(self.head_dim, TURBOQUANT_BITS[self.name], x.device)
+            idx = torch.bucketize(rotated, bounds)
+            scale = (norm / levels[idx].norm(dim=-1, keepdim=True)).half()  # the decoded row keeps x's length
             data = _pack_indices(idx, TURBOQUANT_BITS[self.name])
         else:
             top = FP8_MAX if self.name == "fp8_e4m3" else INT8_MAX

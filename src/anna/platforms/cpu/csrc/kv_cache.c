@@ -67,7 +67,9 @@ static void store_turboquant(const AnnaKVFormat *f, const float *x, uint8_t *dst
             dst[g * 3 + 2] = (uint8_t)(w >> 16);
         }
     }
-    uint16_t h = to_f16(norm);
+    float kept = 0.0f;  /* the levels' squared norm: the scale makes the decoded row as long as x */
+    for (long i = 0; i < dim; i++) kept += f->levels[idx[i]] * f->levels[idx[i]];
+    uint16_t h = to_f16(norm / sqrtf(kept));
     memcpy(dst + bytes, &h, 2);
 }
 

@@ -1,5 +1,5 @@
 /* The stored form of KV cache rows (model/kv_format.py is the reference): float rows (fp32, bf16,
- * fp16), or bytes - the row's data, then one fp16 scale (int8, fp8 e4m3) or norm (TurboQuant).
+ * fp16), or bytes - the row's data, then one fp16 scale.
  * Attention decodes rows eight at a time into fp32 in L1 and runs its fp32 loops on them. */
 #ifndef ANNA_KV_FORMAT_H
 #define ANNA_KV_FORMAT_H
