@@ -24,16 +24,16 @@ from anna.weights.int4_cache import file_sha256
 
 log = logging.getLogger(__name__)
 
-DEMO_NAME = "anna-demo-qwen3-v2"
-DEMO_DRAFT_NAME = "anna-demo-draft-qwen3-v2"
+DEMO_NAME = "anna-demo-qwen3-v3"
+DEMO_DRAFT_NAME = "anna-demo-draft-qwen3-v3"
 DEMO_NOTICE = ("the built-in demo model is tiny and trained only on synthetic tasks (retrieving a passcode from an "
-               "archive of up to about 2K tokens, copying a passage): it knows nothing else")
+               "archive of up to about 3K tokens, copying a passage): it knows nothing else")
 DEMO_DRAFT_ALIAS = "anna-demo-draft"  # speculative_config {"model": "anna-demo-draft"} names the shipped draft
 SHIPPED = Path(__file__).resolve().parent
 # model.safetensors' SHA-256 of each shipped model, as train_tiny_model.py wrote it in the model's README.md
 SHIPPED_SHA256 = {
-    DEMO_NAME: ("demo", "c3987386e735f63cf5ae6826deda95ad410862569ae92987247b93df38dc8947"),
-    DEMO_DRAFT_NAME: ("demo_draft", "0cbe5843baaf3e72cc5188a3f9b01068c8311456a76cf1cb5177898f73ce9217"),
+    DEMO_NAME: ("demo", "00c42876bce7221385f869e6f2c258efbd070599ffa55404d22885481020ef96"),
+    DEMO_DRAFT_NAME: ("demo_draft", "ace7e945623247562986a74ac7bb57616377e11dbae7b4d370ca9dfeefa70399"),
 }
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 VOCAB_SIZE = 1024
