@@ -1,6 +1,6 @@
 """Anna's compiled CPU kernels (C), built with the system C compiler on first use, once per kernel
 level (LEVEL_CFLAGS: AVX2/FMA/F16C, AVX-512, and AVX-512 with VNNI for the quantized dot products) and
-source hash. Loaded through ctypes, which releases the GIL during each call. Where no compiler
+source hash (each source file compiled in its own process, concurrently, then linked). Loaded through ctypes, which releases the GIL during each call. Where no compiler
 or no AVX2 is available, Anna runs torch's kernels instead (one warning)."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
 from pathlib import Path
 
@@ -23,10 +24,11 @@ from anna.platforms.cpu.isa import CpuIsa, detect_isa
 log = logging.getLogger(__name__)
 
 KERNEL_DIR = Path(__file__).parent / "csrc"
-SOURCES = [KERNEL_DIR / name for name in ("cpu_kernels.c", "quant_kernels.c", "decode_layers.c",
-                                                     "gated_delta.c", "decode_hybrid.c", "kv_cache.c")]
-HEADERS = [KERNEL_DIR / name for name in ("work_split.h", "decode_common.h", "bf16.h", "kv_format.h")]
-CFLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC"]
+# decode_attention.c first: it takes most of the build, so it starts before the others
+SOURCES = [KERNEL_DIR / name for name in ("decode_attention.c", "cpu_kernels.c", "quant_kernels.c", "decode_layers.c",
+                                          "gated_delta.c", "decode_hybrid.c", "kv_cache.c")]
+HEADERS = [KERNEL_DIR / name for name in ("work_split.h", "decode_common.h", "bf16.h", "kv_format.h", "vec_math.h")]
+CFLAGS = ["-O3", "-fopenmp", "-fPIC"]
 # The levels the kernels are built for (isa.py's names), each with the instruction sets it may use;
 # a CPU runs the highest one it has (or the one --cpu-isa forces).
 # avx512: the weight-streaming kernel in 512-bit vectors (csrc/cpu_kernels.c); avx512_vnni: also the
@@ -99,7 +101,7 @@ class AnnaHybridLayer(ctypes.Structure):
 
 
 class CpuKernels:
-    """ctypes bindings of kernels/cpu_kernels.c. Every tensor handed in is fp32 and contiguous
+    """ctypes bindings of the kernels in csrc/. Every tensor handed in is fp32 and contiguous
     unless the method says otherwise; ``threads`` follows torch.get_num_threads()."""
 
     def __init__(self, library: Path, level: str = "avx2") -> None:
@@ -349,6 +351,25 @@ def kernel_build_level(isa: CpuIsa) -> str | None:
     return built[-1] if built else None
 
 
+def _compile_and_link(compiler: str, flags: list[str], library: Path) -> None:
+    """Each source to an object file in its own compiler process, as many at once as there are CPUs,
+    then one shared library, moved into place atomically (another process may be building it too)."""
+    with tempfile.TemporaryDirectory(dir=library.parent) as tmp:
+        objects = [Path(tmp) / (source.stem + ".o") for source in SOURCES]
+
+        def compile_one(source: Path, obj: Path) -> None:
+            subprocess.run([compiler, *flags, "-c", "-o", str(obj), str(source)], check=True, capture_output=True,
+                           text=True)
+
+        with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+            for done in [pool.submit(compile_one, s, o) for s, o in zip(SOURCES, objects)]:
+                done.result()
+        linked = Path(tmp) / library.name
+        subprocess.run([compiler, *flags, "-shared", "-o", str(linked), *map(str, objects)], check=True,
+                       capture_output=True, text=True)
+        os.replace(linked, library)
+
+
 def build_cpu_kernels(cache_dir: str | Path, compiler: str = "", isa: CpuIsa | None = None) -> CpuKernels | None:
     """Compile (once per level and source version, with ``compiler`` or else cc or gcc) and load
     the kernels; None if this machine cannot (``isa``: the level Anna runs at; by default the CPU's own)."""
@@ -367,19 +388,12 @@ def build_cpu_kernels(cache_dir: str | Path, compiler: str = "", isa: CpuIsa | N
             log.warning("No C compiler found: using torch's matmul kernels (install gcc for faster CPU decode)")
             return None
         out_dir.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
-        os.close(fd)
         try:
-            subprocess.run([compiler, *flags, "-o", tmp, *map(str, SOURCES)], check=True, capture_output=True,
-                           text=True)
-            os.replace(tmp, library)
+            _compile_and_link(compiler, flags, library)
         except (subprocess.CalledProcessError, OSError) as exc:
             detail = getattr(exc, "stderr", "") or str(exc)
             log.warning("Could not compile Anna's CPU kernels (%s): using torch's", detail.strip()[:200])
             return None
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
     try:
         return CpuKernels(library, level)
     except OSError as exc:

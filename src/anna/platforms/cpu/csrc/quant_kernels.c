@@ -28,9 +28,9 @@
 #include <stdlib.h>
 
 #include "bf16.h"
+#include "vec_math.h"
 #include "work_split.h"
 
-#define INLINE static inline __attribute__((always_inline))
 /* Pins a value to a register at this point. Without it gcc re-associates the int4 kernel's int16
  * sums (adds the products together first), runs out of registers and keeps five of the eight sums
  * in memory, a load and a store per product in the inner loop (1.1-1.2x slower at M = 16). */
@@ -45,14 +45,6 @@
 #else
 #define ANNA_VNNI 0
 #endif
-
-INLINE float hsum(__m256 v) {
-    __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
-    lo = _mm_add_ps(lo, hi);
-    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
-    lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
-    return _mm_cvtss_f32(lo);
-}
 
 /* sum over the 32 lanes of a (signed) * b (signed) as 8 int32 lanes */
 INLINE __m256i dot_s8(__m256i a, __m256i b) {
