@@ -138,6 +138,15 @@ def cache_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("anna-cache")
 
 
+def fresh_cache_dir(path: Path, cache_dir: Path) -> Path:
+    """An empty Anna cache dir at ``path`` that shares the session's compiled kernels (its kernels/
+    links to ``cache_dir``'s), so a test of what a first start creates does not rebuild them."""
+    path.mkdir(parents=True, exist_ok=True)
+    (cache_dir / "kernels").mkdir(exist_ok=True)
+    (path / "kernels").symlink_to(cache_dir / "kernels", target_is_directory=True)
+    return path
+
+
 def kernels_at_level(level: str, cache_dir: Path):
     """Anna's CPU kernels built for one kernel level (kernels.LEVEL_CFLAGS); a level this CPU lacks
     is skipped, saying so."""

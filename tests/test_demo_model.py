@@ -17,7 +17,7 @@ from anna.model.config import ModelLoadError
 from anna.runtime.engine import LLMEngine
 from anna.weights.demo_model import DEMO_DRAFT_NAME, DEMO_NAME, SHIPPED, SHIPPED_SHA256, ensure_demo_model
 from anna.weights.int4_cache import file_sha256
-from conftest import engine_settings
+from conftest import engine_settings, fresh_cache_dir
 from helpers import assert_logits_close, hf_logits, run_logits
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -25,8 +25,8 @@ import tiny_tasks  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def demo_cache(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("demo_cache")
+def demo_cache(tmp_path_factory, cache_dir) -> Path:
+    return fresh_cache_dir(tmp_path_factory.mktemp("demo") / "cache", cache_dir)
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 
 from anna.model.config import ModelLoadError, load_model_config
 from anna.runtime.engine import LLMEngine
-from conftest import build_hf_model, engine_settings, save_hf_model
+from conftest import build_hf_model, engine_settings, fresh_cache_dir, save_hf_model
 from helpers import assert_logits_close, hf_logits, run_logits
 
 PROMPT = list(range(5, 45))
@@ -122,9 +122,10 @@ def test_max_model_len_that_cannot_fit_is_refused_with_the_largest_that_fits(qwe
                   show_progress=False)
 
 
-def test_demo_model_is_created_and_runs(tmp_path):
+def test_demo_model_is_created_and_runs(tmp_path, cache_dir):
     from anna import LLM, SamplingParams
 
+    fresh_cache_dir(tmp_path, cache_dir)
     llm = LLM(cache_dir=str(tmp_path), device="cpu")
     assert llm.llm_engine.is_demo
     out = llm.generate("Hello", SamplingParams(max_tokens=5, temperature=0, ignore_eos=True), use_tqdm=False)

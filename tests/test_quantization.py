@@ -15,7 +15,7 @@ from anna.platforms.cpu.ops import CpuKernelOps
 from anna.model.quantization import (dequantize_int4, dequantize_int8, pack_int4, quantize_int4, quantize_int8,
                                      unpack_int4)
 from anna.runtime.engine import LLMEngine
-from conftest import engine_settings, kernels_at_level
+from conftest import engine_settings, fresh_cache_dir, kernels_at_level
 from helpers import fake_quantized, hf_logits, run_logits
 
 PROMPT = [(i * 29 + 7) % 700 + 3 for i in range(37)]
@@ -287,7 +287,7 @@ def test_int4_cache_falls_back_when_the_model_dir_is_not_writable(hf_models, cac
     path = tmp_path / "ro"
     shutil.copytree(hf_models["qwen2"][1], path)
     (path / ".anna").write_text("not a directory")  # nothing can be created under the model dir
-    user_cache = tmp_path / "user-cache"
+    user_cache = fresh_cache_dir(tmp_path / "user-cache", cache_dir)
     _, hit = load_int4(path, user_cache, caplog)  # the settings' cache_dir is the user cache dir
     assert not hit
     assert list((user_cache / "int4_cache").glob("*/*/manifest.json"))
