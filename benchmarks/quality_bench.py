@@ -2,7 +2,7 @@
 
     python benchmarks/quality_bench.py retrieval --lengths 1024 2048 3072 4000 --trials 20 --max-model-len 4096 \\
         --kv-cache-dtypes float32 bfloat16 int8 fp8_e4m3 turboquant4 turboquant3 --quantization none int8 int4
-    python benchmarks/quality_bench.py speculation --draft DRAFT_DIR --trials 8 --passage-words 120
+    python benchmarks/quality_bench.py speculation --draft DRAFT_DIR --trials 8 --passage-words 120 [--task edit]
 
 retrieval: passcode accuracy over ``--trials`` seeded archives per length, built the way ``anna
 bench`` builds its passcode prompts (its record lines and question), with the passcode line at
@@ -10,9 +10,10 @@ depths spread evenly from the first line to the last. A trial passes as the benc
 the passcode is in the answer and the answer ends with a stop. Each KV cache type and each weight
 format is a separate engine on the same prompts, so the rows differ only in what they store.
 
-speculation: greedy copying of ``--trials`` seeded passages (``tiny_tasks.copy``), plainly, with
-n-gram prompt lookup and with the draft model (``--draft``): acceptance rate, tokens/s, exact-copy
-accuracy, and a check that every speculative output equals the plain one.
+speculation: greedy copying of ``--trials`` seeded passages (``--task copy``: ``tiny_tasks.copy``; or
+``edit``: copying with one word replaced), plainly, with n-gram prompt lookup and with the draft
+model (``--draft``): acceptance rate, tokens/s, exact-answer accuracy, and a check that every
+speculative output equals the plain one.
 
 Without ``--model`` the built-in demo model is used. Each run prints one JSON object.
 """
@@ -96,7 +97,7 @@ def copy_outputs(llm: LLM, chats: list[tiny_tasks.Chat], max_tokens: int) -> tup
 
 def speculation(args) -> dict:
     rng = random.Random(args.seed)
-    chats = [tiny_tasks.copy(rng, args.passage_words) for _ in range(args.trials)]
+    chats = [getattr(tiny_tasks, args.task)(rng, args.passage_words) for _ in range(args.trials)]
     configs = {"plain": None,
                "ngram": {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": 2,
                          "prompt_lookup_max": 4}}
@@ -111,7 +112,7 @@ def speculation(args) -> dict:
         outs, tok_s = copy_outputs(llm, chats, args.passage_words * 3)
         texts = [o.outputs[0].text for o in outs]
         row = {"tok_s": round(tok_s, 2),
-               "exact_copies": sum(t == c.answer for t, c in zip(texts, chats)) / len(chats)}
+               "exact_answers": sum(t == c.answer for t, c in zip(texts, chats)) / len(chats)}
         if spec:
             stats = llm.llm_engine.stats.spec
             row.update(acceptance_rate=round(stats.acceptance_rate, 3),
@@ -124,7 +125,7 @@ def speculation(args) -> dict:
         llm.shutdown()
     for name, row in rows.items():
         row["speedup"] = round(row["tok_s"] / rows["plain"]["tok_s"], 3)
-    return {"task": "speculation", "trials": args.trials, "passage_words": args.passage_words, "k": args.k,
+    return {"task": f"speculation on {args.task}", "trials": args.trials, "passage_words": args.passage_words, "k": args.k,
             "rows": rows}
 
 
@@ -140,6 +141,7 @@ def main() -> None:
     ap.add_argument("--quantization", nargs="+", default=["none"])
     ap.add_argument("--draft", default=None, help="draft model directory for the speculation run")
     ap.add_argument("--passage-words", type=int, default=120)
+    ap.add_argument("--task", choices=("copy", "edit"), default="copy", help="what the speculation run asks for")
     ap.add_argument("--k", type=int, default=4, help="speculative tokens per step")
     ap.add_argument("--verbose", action="store_true", help="print every retrieval answer")
     args = ap.parse_args()

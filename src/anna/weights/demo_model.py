@@ -1,8 +1,9 @@
 """The built-in demo model, and the demo tokenizer of the tests' random-weight models.
 
 The demo model is a Qwen3 of 3.4 M parameters trained on synthetic tasks by
-``benchmarks/train_tiny_model.py`` (``anna bench``'s passcode archives, copying a passage, copying
-it with a word replaced; two-number sums were in its data but are not learned). Its bf16 weights
+``benchmarks/train_tiny_model.py`` (``anna bench``'s passcode archives, copying a passage; copying
+it with a word replaced and two-number sums were in its data but are not learned: asked for an
+edit, it copies the passage unchanged). Its bf16 weights
 ship in the package (``demo/``, with a 4-layer draft model in ``demo_draft/`` for draft-model
 speculation) and are copied into the cache dir on first use after their checksum is checked, so a
 fresh install runs end to end with no download, and answers those tasks.
