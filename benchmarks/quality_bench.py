@@ -85,7 +85,7 @@ def retrieval(args) -> dict:
     return {"task": "retrieval", "trials": args.trials, "lengths": args.lengths, "rows": results}
 
 
-def copy_outputs(llm: LLM, chats: list[tiny_tasks.Chat], max_tokens: int) -> tuple[list, float]:
+def single_stream_outputs(llm: LLM, chats: list[tiny_tasks.Chat], max_tokens: int) -> tuple[list, float]:
     """Outputs of the chats one at a time (single stream, as speculation is measured), and tokens/s."""
     outs, tokens, t0 = [], 0, time.perf_counter()
     for chat in chats:
@@ -107,9 +107,9 @@ def speculation(args) -> dict:
     for name, spec in configs.items():
         llm = LLM(args.model, max_num_seqs=1, log_level="warning",
                   speculative_config=json.dumps(spec) if spec else "")
-        copy_outputs(llm, chats[:1], 16)  # warm up
+        single_stream_outputs(llm, chats[:1], 16)  # warm up
         llm.llm_engine.reset_stats()
-        outs, tok_s = copy_outputs(llm, chats, args.passage_words * 3)
+        outs, tok_s = single_stream_outputs(llm, chats, args.passage_words * 3)
         texts = [o.outputs[0].text for o in outs]
         row = {"tok_s": round(tok_s, 2),
                "exact_answers": sum(t == c.answer for t, c in zip(texts, chats)) / len(chats)}
@@ -125,8 +125,8 @@ def speculation(args) -> dict:
         llm.shutdown()
     for name, row in rows.items():
         row["speedup"] = round(row["tok_s"] / rows["plain"]["tok_s"], 3)
-    return {"task": f"speculation on {args.task}", "trials": args.trials, "passage_words": args.passage_words, "k": args.k,
-            "rows": rows}
+    return {"task": f"speculation on {args.task}", "trials": args.trials, "passage_words": args.passage_words,
+            "k": args.k, "rows": rows}
 
 
 def main() -> None:

@@ -1,7 +1,8 @@
 """Anna's compiled CPU kernels (C), built with the system C compiler on first use, once per kernel
 level (LEVEL_CFLAGS: AVX2/FMA/F16C, AVX-512, and AVX-512 with VNNI for the quantized dot products) and
-source hash (each source file compiled in its own process, concurrently, then linked). Loaded through ctypes, which releases the GIL during each call. Where no compiler
-or no AVX2 is available, Anna runs torch's kernels instead (one warning)."""
+source hash, each source file in its own compiler process, concurrently, then linked. Loaded through
+ctypes, which releases the GIL during each call. Where no compiler or no AVX2 is available, Anna runs
+torch's kernels instead (one warning)."""
 
 from __future__ import annotations
 

@@ -46,6 +46,7 @@ static void store_turboquant(const AnnaKVFormat *f, const float *x, uint8_t *dst
     for (long d = 0; d < dim; d++) sq += x[d] * x[d];
     float norm = sqrtf(sq), inv = norm > 0.0f ? 1.0f / norm : 0.0f;
     uint8_t idx[1024];
+    float kept = 0.0f;  /* the levels' squared norm: the scale makes the decoded row as long as x */
     for (long i = 0; i < dim; i++) {
         const float *r = f->rotation + i * dim;
         float y = 0.0f;
@@ -54,6 +55,7 @@ static void store_turboquant(const AnnaKVFormat *f, const float *x, uint8_t *dst
         uint8_t k = 0;
         while (k < n_bounds && f->bounds[k] < y) k++;
         idx[i] = k;
+        kept += f->levels[k] * f->levels[k];
     }
     long bytes = kv_data_bytes(f->kind, dim);
     if (f->kind == KV_TQ4) {
@@ -67,8 +69,6 @@ static void store_turboquant(const AnnaKVFormat *f, const float *x, uint8_t *dst
             dst[g * 3 + 2] = (uint8_t)(w >> 16);
         }
     }
-    float kept = 0.0f;  /* the levels' squared norm: the scale makes the decoded row as long as x */
-    for (long i = 0; i < dim; i++) kept += f->levels[idx[i]] * f->levels[idx[i]];
     uint16_t h = to_f16(norm / sqrtf(kept));
     memcpy(dst + bytes, &h, 2);
 }
