@@ -7,7 +7,8 @@ crossovers set the routing defaults (cpu_gemv_max_rows, cpu_upcast_min_rows).
         --out benchmarks/results/matmul_routing_int4_g32.csv
 
 Strategies: torch_native (F.linear in the weight dtype), torch_fp32_upcast (weights converted to
-fp32 per call, fp32 GEMM), anna_gemv (Anna's weight-streaming kernel). With --quantization:
+fp32 per call, fp32 GEMM), anna_gemv (Anna's weight-streaming kernel), anna_gemv_bf16_dot (the same
+kernel on bf16 dot products, bf16 weights on a CPU with AVX512-BF16). With --quantization:
 packed (Anna's kernel reading int8/int4), dequant (unpack to fp32, then a dense GEMM) and
 dequant_bf16 (the same GEMM in bf16, as on CPUs with AVX512-BF16 or AMX). Each
 weight set is larger than the CPU caches, as in a real forward pass.
@@ -75,6 +76,9 @@ def main() -> None:
         }
         if kernels is not None:  # w[1]: the same weight with rows interleaved, as the kernel reads it
             strategies["anna_gemv"] = lambda x, w: kernels.gemv(x, w[1], None)
+            if dtype == torch.bfloat16 and kernels.level != "avx2" and detect_isa(force=args.cpu_isa).bf16_matmul:
+                # bf16 weights times x rounded to bf16 on vdpbf16ps (cpu_bf16_dot_min_rows)
+                strategies["anna_gemv_bf16_dot"] = lambda x, w: kernels.gemv(x, w[1], None, bf16_dot_rows=1)
     if args.strategies:
         strategies = {name: fn for name, fn in strategies.items() if name in args.strategies.split(",")}
     bytes_per_weight = {"none": dtype.itemsize, "int8": 1, "int4": 0.5}[quant]
@@ -94,8 +98,8 @@ def main() -> None:
         for m in map(int, args.ms.split(",")):
             x = torch.randn(m, k)
             for strat, fn in strategies.items():
-                if strat == "anna_gemv" and m > 128:
-                    continue  # the kernel re-reads W every 8 rows: never a candidate at large M
+                if strat.startswith("anna_gemv") and m > 256:
+                    continue  # the kernel re-reads W once per group of x rows: never a candidate at large M
                 repeats = 1 if m >= 128 else 3
                 # large M is arithmetic-bound: a few copies suffice (the rest measure memory traffic)
                 sec = timed(fn, weights if m < 512 else weights[:4], x, repeats)

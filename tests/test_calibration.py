@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from anna.platforms.cpu.calibration import (CHUNK_TOKENS, GEMV_ROWS, calibrate, choose, first_crossing,
-                                            smallest_good_chunk)
+from anna.platforms.cpu.calibration import (CHUNK_TOKENS, DOT_ROWS, GEMV_ROWS, calibrate, choose, first_crossing,
+                                            first_lasting_win, smallest_good_chunk)
+from anna.platforms.cpu.isa import detect_isa
 
 
 @pytest.fixture
@@ -45,13 +46,17 @@ def test_the_choice_is_a_pure_function_of_the_measurements():
         "cpu_upcast_min_rows": {"rows": [1, 2, 4, 8], "kernel_s": [1, 1, 3, 3], "other_s": [2, 2, 2, 2]},
         # per token: 15.6, 9.0, 7.8, 8.0 ms: 256 is the smallest within 20% of the best
         "long_prefill_token_threshold": {"tokens": [128, 256, 512, 1024], "seconds": [2.0, 2.3, 4.0, 8.2]},
+        # bf16 dot products slower at M = 1 and 2, no slower from 4 on: on from M = 4
+        "cpu_bf16_dot_min_rows": {"rows": [1, 2, 4, 8, 16], "kernel_s": [3, 3, 2, 1, 1], "other_s": [2, 2, 2, 2, 2]},
     }
     want = {"cpu_gemv_max_rows": 16, "int4_gemv_m_threshold": 0, "cpu_upcast_min_rows": 4,
-            "long_prefill_token_threshold": 256}
+            "long_prefill_token_threshold": 256, "cpu_bf16_dot_min_rows": 4}
     assert choose(measurements) == want
     assert choose(json.loads(json.dumps(measurements))) == want  # as read back from the store
     assert choose({"cpu_gemv_max_rows": {"rows": [], "kernel_s": [], "other_s": []}}) == {}  # no data: built-in
     assert first_crossing([1, 2, 3], [1, 5, 1], [2, 2, 2]) == 1  # the first loss ends it, a later win does not count
+    assert first_lasting_win([1, 2, 4], [1, 5, 1], [2, 2, 2]) == 4  # a win before a loss does not count
+    assert first_lasting_win([1, 2, 4], [1, 1, 3], [2, 2, 2]) == 0  # slower at the largest M: never
     assert first_crossing([1, 2], [1, 1], [2, 2]) == 2  # never slower: the largest measured M
     assert choose({"cpu_upcast_min_rows": {"rows": [1, 2], "kernel_s": [1, 1], "other_s": [2, 2]}}) == \
         {"cpu_upcast_min_rows": 0}  # half never slower: never upcast
@@ -63,7 +68,9 @@ def test_the_first_start_measures_stores_and_applies(qwen2_dir, store):
     [path] = _stored(store)
     stored = json.loads(path.read_text())
     values = stored["values"]
-    assert set(values) == {"cpu_gemv_max_rows", "long_prefill_token_threshold"}  # a bf16 model on Anna's kernels
+    # a bf16 model on Anna's kernels; the bf16 dot products where the CPU has them
+    dot = {"cpu_bf16_dot_min_rows"} if detect_isa().bf16_matmul else set()
+    assert set(values) == {"cpu_gemv_max_rows", "long_prefill_token_threshold"} | dot
     assert choose(stored["measurements"]) == values  # deterministic given what it measured
     gemv = stored["measurements"]["cpu_gemv_max_rows"]
     assert gemv["rows"] == list(GEMV_ROWS[:len(gemv["rows"])]) and len(gemv["rows"]) >= 2
@@ -73,6 +80,9 @@ def test_the_first_start_measures_stores_and_applies(qwen2_dir, store):
     for name, value in values.items():
         assert getattr(engine.settings, name) == value and engine.settings.sources[name] == "calibrated"
     assert engine.runner.model.norm.ops.routing.gemv_max_rows == values["cpu_gemv_max_rows"]
+    if dot:
+        assert stored["measurements"]["cpu_bf16_dot_min_rows"]["rows"] == list(DOT_ROWS)
+        assert engine.runner.model.norm.ops.routing.bf16_dot_rows == values["cpu_bf16_dot_min_rows"]
     assert engine.scheduler.config.long_prefill_token_threshold == values["long_prefill_token_threshold"]
     assert "calibrated" in engine.settings.table()
 

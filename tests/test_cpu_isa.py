@@ -169,6 +169,42 @@ def test_bf16_prefill_logits_stay_with_transformers(arch, hf_models, cache_dir, 
     assert not torch.equal(got[True], got[False])  # the two paths really differ
 
 
+def test_bf16_dot_products_stay_with_transformers_through_prefill_and_fused_decode(hf_models, cache_dir, tmp_path):
+    """A bf16 checkpoint with cpu_bf16_dot_min_rows=1: a 40-token prefill (the weight-streaming
+    kernel's rows) and 8 decode steps through the fused C stack and the lm_head multiply x rounded to
+    bf16 on vdpbf16ps; their logits are no farther from the exact ones (transformers in fp32 on the
+    same bf16 weights) than transformers' own bf16 run, with the same top tokens as often, and differ
+    from the kernel's fp32 path (cpu_bf16_dot_min_rows=0)."""
+    from anna import LLM
+    from conftest import save_hf_model
+    from helpers import hf_logits, run_logits
+
+    here = detect_isa()
+    if not here.has("avx512_bf16"):
+        pytest.skip(f"bf16 dot products: this CPU ({here.model_name}) has instruction sets up to {here.available}")
+    hf = copy.deepcopy(hf_models["qwen2"][0]).to(torch.bfloat16)
+    path = save_hf_model(hf, tmp_path / "qwen2")
+    prompt = [(i * 37 + 11) % 700 + 3 for i in range(40)]
+    got, tokens = {}, {}
+    for rows in (1, 0):
+        llm = LLM(str(path), dtype="bfloat16", device="cpu", cache_dir=str(cache_dir), max_model_len=512,
+                  num_gpu_blocks_override=64, cpu_bf16_dot_min_rows=rows)
+        assert llm.llm_engine.runner.model.norm.ops.routing.bf16_dot_rows == rows
+        assert llm.llm_engine.decode_executor == "graph"  # decode runs the fused C stack
+        logits, tokens[rows] = run_logits(llm.llm_engine, prompt, 8)
+        got[rows] = logits.float()
+    seq = prompt + tokens[1][:-1]
+    hf_bf16, exact = hf_logits(hf, seq), hf_logits(hf.float(), seq)
+
+    def error(logits: torch.Tensor) -> tuple[float, float]:
+        return (logits - exact).abs().max().item(), (logits.argmax(-1) == exact.argmax(-1)).float().mean().item()
+
+    hf_err, hf_agree = error(hf_bf16)
+    err, agree = error(got[1])
+    assert err <= 1.1 * hf_err + 1e-3 and agree >= hf_agree - 0.02, (err, hf_err, agree, hf_agree)
+    assert not torch.equal(got[1], got[0])
+
+
 def test_int4_dequantized_gemm_in_bf16_stays_with_fp32(hf_models, cache_dir, tmp_path):
     """A bf16 checkpoint quantized to int4, a 200-token prefill (past the packed kernel's M limit,
     set low here): the dequantized GEMM in bf16 gives the fp32 one's logits within 1% (norm),

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from anna.model.kv_format import KVFormat
 from anna.model.linear import Linear, gather_interleaved_rows, interleave_rows
 from anna.model.ops import LinearRouting
+from anna.platforms.cpu.isa import detect_isa
 from anna.platforms.cpu.kernels import LEVEL_CFLAGS
 from anna.platforms.cpu.ops import CpuKernelOps
 from conftest import kernels_at_level
@@ -44,6 +45,35 @@ def test_gemv_matches_torch_at_every_m(kernels, dtype, n, k):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=f"M={m}")
 
 
+def bf16_dot(kernels):
+    """Skip unless the kernels can run bf16 dot products here: an AVX-512 build on a CPU with AVX512-BF16."""
+    here = detect_isa()
+    if kernels.level == "avx2" or not here.has("avx512_bf16"):
+        pytest.skip(f"bf16 dot products: kernel level {kernels.level} on {here.model_name} (instruction sets up to "
+                    f"{here.available}) has no vdpbf16ps path")
+
+
+@pytest.mark.parametrize("n, k", [(96, 64), (35, 136), (4 * 11 + 2, 24)])  # 11 blocks: 4 + 4 + 3 singles, 2 tail rows
+def test_gemv_on_bf16_dot_products_is_x_rounded_to_bf16_at_every_m(kernels, n, k):
+    """With bf16_dot_rows, bf16 weights multiply x rounded to bf16 (vdpbf16ps): torch's product of
+    the rounded x, summed in fp32, at every M up to 130 and in every part of the matmul (groups of
+    4 blocks, single blocks, the row-major tail rows); below the threshold x stays fp32."""
+    bf16_dot(kernels)
+    torch.manual_seed(0)
+    w = torch.randn(n, k).to(torch.bfloat16)
+    bias = torch.randn(n)
+    packed = interleave_rows(w)
+    for m in range(1, 131):
+        x = torch.randn(m, k)
+        rounded = F.linear(x.bfloat16().float(), w.float(), bias)
+        torch.testing.assert_close(kernels.gemv(x, packed, bias, bf16_dot_rows=1), rounded, rtol=1e-5, atol=1e-5,
+                                   msg=f"M={m}")
+        got = kernels.gemv(x, packed, bias, bf16_dot_rows=m + 1)  # x has fewer rows than the threshold
+        torch.testing.assert_close(got, F.linear(x, w.float(), bias), rtol=1e-4, atol=1e-4, msg=f"M={m}")
+        if m > 3:
+            assert not torch.equal(got, rounded)
+
+
 def test_gemv_rows_do_not_depend_on_the_thread_count(kernels):
     """Threads share the blocks of rows in chunks and take each other's leftovers (work_split.h):
     every row exactly once, also with more threads than blocks and with tail rows."""
@@ -78,6 +108,13 @@ def test_expert_gemv_equals_one_call_per_expert(kernels, dtype):
     out = kernels.gemv_experts(x, table, torch.tensor(ids), starts, WEIGHT_TYPES[dtype], 67)
     expected = torch.cat([kernels.gemv(x[starts[g]:starts[g + 1]], experts[e], None) for g, e in enumerate(ids)])
     assert torch.equal(out, expected)
+    if dtype == torch.bfloat16 and kernels.level != "avx2" and detect_isa().has("avx512_bf16"):
+        # bf16 dot products from 4 rows: groups of 7 and 4 rows take them, the group of 1 does not
+        out = kernels.gemv_experts(x, table, torch.tensor(ids), starts, WEIGHT_TYPES[dtype], 67, bf16_dot_rows=4)
+        expected = torch.cat([kernels.gemv(x[starts[g]:starts[g + 1]], experts[e], None, bf16_dot_rows=4)
+                              for g, e in enumerate(ids)])
+        assert torch.equal(out, expected)
+        assert torch.equal(out[7], kernels.gemv(x[7:8], experts[0], None)[0])
 
 
 def test_linear_packs_once_and_serves_every_route(kernels):

@@ -128,9 +128,15 @@ class ServeSettings:
         128, "Largest M (rows) routed to Anna's CPU matmul kernel; larger matmuls use torch.")
     cpu_upcast_min_rows: int | None = _setting(
         8, "Without Anna's CPU kernels: from this M on, half-precision matmuls run in fp32 (0 = never).")
+    cpu_bf16_dot_min_rows: int | None = _setting(
+        -1, "A bf16 model on a CPU with AVX512-BF16: from this M on, Anna's weight-streaming kernel rounds the "
+            "rows of x to bf16 and multiplies on vdpbf16ps (twice the fp32 FMA's rate where the CPU runs it at full "
+            "width); 0 = never (x stays fp32); -1 = 8 where the CPU has AVX512-BF16 (cpu_isa), else never.",
+        minimum=-1)
     calibrate: bool | None = _setting(
         True, "On CPU, the first start on a new host times this model's layers (a few seconds, before serving) to "
-              "set cpu_gemv_max_rows, int4_gemv_m_threshold, cpu_upcast_min_rows and the throughput profile's "
+              "set cpu_gemv_max_rows, cpu_bf16_dot_min_rows, int4_gemv_m_threshold, cpu_upcast_min_rows and the "
+              "throughput profile's "
               "long_prefill_token_threshold, kept in {cache_dir}/calibration; a flag or ANNA_* value still wins "
               "(`anna tune MODEL` measures again). --no-calibrate: the built-in values.")
     cpu_huge_pages: bool | None = _setting(
@@ -324,7 +330,8 @@ SECTION_FIELDS: dict[str, tuple[str, ...]] = {
                   "warmup_decode_steps"),
     "parallel": ("tensor_parallel_size", "distributed_executor_backend", "nnodes", "node_rank", "master_addr",
                  "master_port"),
-    "cpu": ("cpu_kernels", "cpu_kernel_compiler", "cpu_isa", "cpu_gemv_max_rows", "cpu_upcast_min_rows", "calibrate",
+    "cpu": ("cpu_kernels", "cpu_kernel_compiler", "cpu_isa", "cpu_gemv_max_rows", "cpu_upcast_min_rows",
+            "cpu_bf16_dot_min_rows", "calibrate",
             "cpu_huge_pages", "int4_matmul", "int4_gemv_m_threshold"),
     "server": ("host", "port", "api_key", "allowed_origins", "max_n", "max_request_bytes", "header_read_timeout",
                "body_read_timeout", "shutdown_timeout", "prompt_workers", "tokenize_workers", "text_queue_limit",

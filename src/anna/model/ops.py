@@ -52,6 +52,9 @@ class LinearRouting:
     # the weight-streaming and packed kernels run in bf16 (dense weights as they are, quantized ones
     # dequantized to bf16) instead of in fp32
     bf16_matmul: bool = False
+    # ... and from this M on, the weight-streaming kernel multiplies bf16 weights by x rounded to bf16
+    # on vdpbf16ps (0: never; only where bf16_matmul, whose CPUs have the instruction)
+    bf16_dot_rows: int = 0
 
 
 class ModelOps:

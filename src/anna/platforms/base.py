@@ -152,11 +152,20 @@ class Platform:
 INT4_PACKED_MAX_ROWS = {False: 2048, True: 128}
 
 
+# cpu_bf16_dot_min_rows -1: the weight-streaming kernel's bf16 dot products from this M on, where the
+# CPU has them (benchmarks/matmul_routing.py --strategies anna_gemv anna_gemv_bf16_dot, Zen 4: 1.1-1.35x
+# the fp32 kernel at M = 4, about 2x from M = 8, no gain below 4)
+BF16_DOT_MIN_ROWS = 8
+
+
 def linear_routing(cpu: Any, bf16_matmul: bool = False) -> LinearRouting:
     """The matmul routing thresholds of the cpu settings section (``bf16_matmul``: what the CPU's
-    instruction sets allow for this model, platforms/cpu/isa.py)."""
+    instruction sets allow for this model, platforms/cpu/isa.py; without it no bf16 dot product runs,
+    whatever cpu_bf16_dot_min_rows says)."""
     threshold = cpu.int4_gemv_m_threshold if cpu.int4_gemv_m_threshold >= 0 else INT4_PACKED_MAX_ROWS[bf16_matmul]
-    return LinearRouting(cpu.cpu_gemv_max_rows, cpu.cpu_upcast_min_rows, cpu.int4_matmul, threshold, bf16_matmul)
+    dot_rows = cpu.cpu_bf16_dot_min_rows if cpu.cpu_bf16_dot_min_rows >= 0 else BF16_DOT_MIN_ROWS
+    return LinearRouting(cpu.cpu_gemv_max_rows, cpu.cpu_upcast_min_rows, cpu.int4_matmul, threshold, bf16_matmul,
+                         dot_rows if bf16_matmul else 0)
 
 
 def no_graph_reason(profiling: bool, model: Any) -> str | None:

@@ -142,7 +142,9 @@ class CpuPlatform(Platform):
         if routing.bf16_matmul:
             ops.attention_dtype = torch.bfloat16
         log.info("CPU kernels: %s; larger bf16 matmuls: %s; prefill attention: %s",
-                 f"Anna's, built for {kernels.level}" if kernels else "torch's",
+                 f"Anna's, built for {kernels.level}" + (
+                     f", bf16 weights on vdpbf16ps from M = {routing.bf16_dot_rows}" if routing.bf16_dot_rows else "")
+                 if kernels else "torch's",
                  "bf16 (oneDNN, hardware bf16)" if routing.bf16_matmul else "fp32",
                  str(ops.attention_dtype).removeprefix("torch."))
         return ops

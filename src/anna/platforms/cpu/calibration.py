@@ -14,6 +14,9 @@ used), ``anna tune MODEL`` measures again, ``--no-calibrate`` keeps the built-in
 
 What is measured, each as the whole model's matmul time (each distinct layer shape timed once,
 weighted by how many layers have it) at a few M:
+- ``cpu_bf16_dot_min_rows`` (a bf16 model on Anna's kernels, where the CPU has AVX512-BF16): the
+  weight-streaming kernel on bf16 dot products against the same kernel in fp32, at every M of
+  DOT_ROWS; measured first, so that the bound below is measured on the kernel that will run;
 - ``cpu_gemv_max_rows`` (Anna's kernels, dense and int8 layers): the weight-streaming kernel
   against the path above it (torch's bf16 or fp32 GEMM);
 - ``int4_gemv_m_threshold`` (int4 with int4_matmul auto): the packed int4 kernel against the
@@ -51,6 +54,7 @@ log = logging.getLogger(__name__)
 FORMAT_VERSION = 1
 BUDGET_S = 15.0  # the most one calibration measures; what is left unmeasured keeps its built-in value
 GEMV_ROWS = (1, 8, 16, 32, 48, 64, 96, 128, 192, 256)
+DOT_ROWS = (1, 2, 4, 8, 16)
 INT4_ROWS = (16, 32, 64, 128, 256, 512, 1024, 2048)
 UPCAST_ROWS = (1, 2, 4, 8, 16, 32, 64)
 CHUNK_TOKENS = (128, 256, 512, 1024, 2048)
@@ -137,6 +141,17 @@ def first_crossing(rows: list[int], kernel_s: list[float], other_s: list[float])
     return best
 
 
+def first_lasting_win(rows: list[int], kernel_s: list[float], other_s: list[float]) -> int:
+    """The smallest M of ``rows`` (ascending) from which the kernel is no slower than the other
+    path at every measured M; 0 when it is slower at the last."""
+    best = 0
+    for m, kernel, other in reversed(list(zip(rows, kernel_s, other_s))):
+        if kernel > other:
+            break
+        best = m
+    return best
+
+
 def smallest_good_chunk(tokens: list[int], seconds: list[float], tolerance: float = CHUNK_TOLERANCE) -> int:
     """The smallest chunk whose time per token is within ``tolerance`` of the best measured one's."""
     per_token = [s / n for n, s in zip(tokens, seconds)]
@@ -147,6 +162,9 @@ def smallest_good_chunk(tokens: list[int], seconds: list[float], tolerance: floa
 def choose(measurements: dict[str, dict[str, list]]) -> dict[str, int]:
     """Setting name -> calibrated value, for each measurement that has data."""
     values: dict[str, int] = {}
+    m = measurements.get("cpu_bf16_dot_min_rows")
+    if m and m["rows"]:
+        values["cpu_bf16_dot_min_rows"] = first_lasting_win(m["rows"], m["kernel_s"], m["other_s"])
     for name in ("cpu_gemv_max_rows", "int4_gemv_m_threshold", "cpu_upcast_min_rows"):
         m = measurements.get(name)
         if m and m["rows"]:
@@ -242,6 +260,27 @@ def _crossover(timer: Timer, ops: Any, groups: list[LayerGroup], rows: tuple[int
     return _in_rounds(out, "rows", ("kernel_s", "other_s"), at)
 
 
+def _both_paths(timer: Timer, ops: Any, groups: list[LayerGroup], rows: tuple[int, ...], kernel: dict[str, Any],
+                other: dict[str, Any], **common: Any) -> dict[str, list]:
+    """Two routings of the same kernel at every M of ``rows`` (both run, so no early stop)."""
+    def at(m: int, warm_up: bool = False) -> list[float]:
+        with _routing(ops, **common, **kernel):
+            k = _model_seconds(timer, groups, m, warm_up)
+        with _routing(ops, **common, **other):
+            return [k, _model_seconds(timer, groups, m, warm_up)]
+
+    out: dict[str, list] = {"rows": [], "kernel_s": [], "other_s": []}
+    for m in rows:
+        try:
+            k, o = at(m, warm_up=True)
+        except OutOfTime:
+            break
+        out["rows"].append(m)
+        out["kernel_s"].append(k)
+        out["other_s"].append(o)
+    return _in_rounds(out, "rows", ("kernel_s", "other_s"), at)
+
+
 def measure(model: torch.nn.Module, ops: Any, max_chunk: int, budget_s: float = BUDGET_S) -> dict[str, dict[str, list]]:
     """Measurements for each setting that applies to this model and ops."""
     timer = Timer(budget_s)
@@ -249,11 +288,17 @@ def measure(model: torch.nn.Module, ops: Any, max_chunk: int, budget_s: float = 
     dense = [g for g in groups if not isinstance(g.layer, QuantLinear) or g.layer.kind == 0]
     int4 = [g for g in groups if isinstance(g.layer, QuantLinear) and g.layer.kind == 1]
     half = [g for g in groups if not isinstance(g.layer, QuantLinear) and g.layer.weight.element_size() == 2]
+    bf16 = [g for g in dense if not isinstance(g.layer, QuantLinear) and g.layer.weight.dtype == torch.bfloat16]
     out: dict[str, dict[str, list]] = {}
     with torch.inference_mode():
+        if ops.kernels is not None and bf16 and ops.routing.bf16_matmul:
+            out["cpu_bf16_dot_min_rows"] = _both_paths(timer, ops, bf16, DOT_ROWS, {"bf16_dot_rows": 1},
+                                                       {"bf16_dot_rows": 0}, gemv_max_rows=max(DOT_ROWS))
         if ops.kernels is not None and dense:
-            out["cpu_gemv_max_rows"] = _crossover(timer, ops, dense, GEMV_ROWS, lambda m: {"gemv_max_rows": m},
-                                                  {"gemv_max_rows": 0})
+            dot = choose(out).get("cpu_bf16_dot_min_rows", ops.routing.bf16_dot_rows)
+            with _routing(ops, bf16_dot_rows=dot):
+                out["cpu_gemv_max_rows"] = _crossover(timer, ops, dense, GEMV_ROWS, lambda m: {"gemv_max_rows": m},
+                                                      {"gemv_max_rows": 0})
         if ops.kernels is not None and int4 and ops.routing.int4_matmul == "auto":
             out["int4_gemv_m_threshold"] = _crossover(timer, ops, int4, INT4_ROWS,
                                                       lambda m: {"int4_gemv_m_threshold": m},
@@ -280,7 +325,7 @@ def measure(model: torch.nn.Module, ops: Any, max_chunk: int, budget_s: float = 
 
 # setting name -> LinearRouting field
 ROUTING_FIELDS = {"cpu_gemv_max_rows": "gemv_max_rows", "int4_gemv_m_threshold": "int4_gemv_m_threshold",
-                  "cpu_upcast_min_rows": "upcast_min_rows"}
+                  "cpu_upcast_min_rows": "upcast_min_rows", "cpu_bf16_dot_min_rows": "bf16_dot_rows"}
 
 
 # ---- the cache ----
@@ -353,7 +398,8 @@ def report(calibration: Calibration) -> str:
     """The measurements and the values they gave, as ``anna tune`` prints them."""
     lines = [f"Calibration {calibration.key} ({calibration.seconds:.1f} s) on {calibration.host['cpu']}, "
              f"{calibration.host['threads']} threads, kernel level {calibration.host['isa']}"]
-    paths = {"cpu_gemv_max_rows": ("Anna's weight-streaming kernel", "torch's GEMM"),
+    paths = {"cpu_bf16_dot_min_rows": ("kernel on bf16 dot products", "kernel in fp32"),
+             "cpu_gemv_max_rows": ("Anna's weight-streaming kernel", "torch's GEMM"),
              "int4_gemv_m_threshold": ("packed int4 kernel", "dequantized GEMM"),
              "cpu_upcast_min_rows": ("torch half matmul", "fp32 on the converted weight")}
     for name, m in calibration.measurements.items():

@@ -70,8 +70,9 @@ class FusedDecodeExecutor:
         return 0  # nothing to capture: the warmup table's decode steps run it
 
     def _layer_descriptors(self, kv_caches: list[PagedKV]):
-        """ctypes descriptors of every layer's weights and caches, built once (they never move)."""
-        key = tuple(k.data_ptr() for k, _ in kv_caches)
+        """ctypes descriptors of every layer's weights and caches, built once (they never move; the
+        routing's bf16 dot threshold, which calibration may set, is part of the key)."""
+        key = (tuple(k.data_ptr() for k, _ in kv_caches), self.ops.routing.bf16_dot_rows)
         if self._descriptors is not None and self._descriptors[0] == key:
             return self._descriptors[1]
         keep: list[torch.Tensor] = []  # fp32 copies of biases, kept alive with the descriptors
@@ -87,14 +88,14 @@ class FusedDecodeExecutor:
             desc.norm_wtype = WEIGHT_TYPES[layer.input_layernorm.weight.dtype]
             for field, lin in (("qkv", attn.qkv_proj), ("o", attn.o_proj), ("gate_up", mlp.gate_up_proj),
                                ("down", mlp.down_proj)):
-                _describe_linear(getattr(desc, field), lin, keep)
+                _describe_linear(getattr(desc, field), lin, keep, self.ops)
             desc.k_cache, desc.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
             desc.kv_format = ctypes.addressof(kv_format_descriptor(kv_cache.format))
         self._descriptors = (key, array, keep)
         return array
 
 
-def _describe_linear(desc: AnnaLinear, lin: Linear | QuantLinear, keep: list[torch.Tensor]) -> None:
+def _describe_linear(desc: AnnaLinear, lin: Linear | QuantLinear, keep: list[torch.Tensor], ops: ModelOps) -> None:
     bias = None if lin.bias is None else lin.bias.detach().float().contiguous()
     if bias is not None:
         keep.append(bias)
@@ -106,6 +107,7 @@ def _describe_linear(desc: AnnaLinear, lin: Linear | QuantLinear, keep: list[tor
     else:
         desc.weight, desc.scales = lin.weight.data_ptr(), None
         desc.wtype, desc.qkind, desc.group = WEIGHT_TYPES[lin.weight.dtype], 0, 0
+        desc.bf16_dot_rows = ops.routing.bf16_dot_rows
 
 
 class HybridFusedDecodeExecutor(FusedDecodeExecutor):
@@ -140,8 +142,8 @@ class HybridFusedDecodeExecutor(FusedDecodeExecutor):
             final_norm=model.norm.weight)
 
     def _layer_descriptors(self, layer_caches: list):
-        key = tuple(next(iter(c.values())).data_ptr() if isinstance(c, dict) else c[0].data_ptr()
-                    for c in layer_caches)
+        key = (tuple(next(iter(c.values())).data_ptr() if isinstance(c, dict) else c[0].data_ptr()
+                     for c in layer_caches), self.ops.routing.bf16_dot_rows)
         if self._descriptors is not None and self._descriptors[0] == key:
             return self._descriptors[1]
         keep: list[torch.Tensor] = []
@@ -151,20 +153,20 @@ class HybridFusedDecodeExecutor(FusedDecodeExecutor):
             desc.linear = int(layer.is_linear)
             desc.input_norm = layer.input_layernorm.weight.data_ptr()
             desc.post_norm = layer.post_attention_layernorm.weight.data_ptr()
-            _describe_linear(desc.gate_up, layer.mlp.gate_up_proj, keep)
-            _describe_linear(desc.down, layer.mlp.down_proj, keep)
+            _describe_linear(desc.gate_up, layer.mlp.gate_up_proj, keep, self.ops)
+            _describe_linear(desc.down, layer.mlp.down_proj, keep, self.ops)
             if layer.is_linear:
                 mixer = layer.linear_attn
                 for field, lin in (("in_proj", mixer.in_proj), ("ba", mixer.in_proj_ba), ("out_proj", mixer.out_proj)):
-                    _describe_linear(getattr(desc, field), lin, keep)
+                    _describe_linear(getattr(desc, field), lin, keep, self.ops)
                 desc.conv_weight, desc.a_log = mixer.conv_weight.data_ptr(), mixer.A_log.data_ptr()
                 desc.dt_bias, desc.gated_norm = mixer.dt_bias.data_ptr(), mixer.norm.weight.data_ptr()
                 desc.gated_norm_wtype = WEIGHT_TYPES[mixer.norm.weight.dtype]
                 desc.conv_state, desc.recurrent_state = cache["conv"].data_ptr(), cache["recurrent"].data_ptr()
             else:
                 attn = layer.self_attn
-                _describe_linear(desc.qkv, attn.qkv_proj, keep)
-                _describe_linear(desc.o, attn.o_proj, keep)
+                _describe_linear(desc.qkv, attn.qkv_proj, keep, self.ops)
+                _describe_linear(desc.o, attn.o_proj, keep, self.ops)
                 desc.q_norm, desc.k_norm = attn.q_norm.weight.data_ptr(), attn.k_norm.weight.data_ptr()
                 desc.k_cache, desc.v_cache = cache[0].data_ptr(), cache[1].data_ptr()
                 desc.kv_format = ctypes.addressof(kv_format_descriptor(cache.format))

@@ -8,8 +8,10 @@ weight-streaming matmul in 512-bit vectors), from avx512_vnni on they run the in
 products on vpdpbusd (kernels.py: LEVEL_CFLAGS); from avx512_bf16 on,
 a bf16 model's matmuls of many rows (prefill, batched decode) run as bf16 matmuls in oneDNN,
 which uses AVX512-BF16 or AMX (Linux's AMX permission request is oneDNN's own), instead of
-converting the weights to fp32, its gated MLP keeps its intermediate rows in bf16, and its
-prefill attention runs in bf16.
+converting the weights to fp32, its gated MLP keeps its intermediate rows in bf16, its
+prefill attention runs in bf16, and Anna's weight-streaming kernel multiplies its bf16 weights on
+vdpbf16ps from cpu_bf16_dot_min_rows rows of x on (the routing passes that to each call; the
+instruction is compiled into the AVX-512 builds as a function target, run only at this level).
 ``--cpu-isa`` forces a lower level (an AMX machine then runs the AVX2 path); forcing one the CPU
 lacks is refused at start.
 """

@@ -32,8 +32,9 @@ HEADERS = [KERNEL_DIR / name for name in ("work_split.h", "decode_common.h", "bf
 CFLAGS = ["-O3", "-fopenmp", "-fPIC"]
 # The levels the kernels are built for (isa.py's names), each with the instruction sets it may use;
 # a CPU runs the highest one it has (or the one --cpu-isa forces).
-# avx512: the weight-streaming kernel in 512-bit vectors (csrc/cpu_kernels.c); avx512_vnni: also the
-# quantized dot products on vpdpbusd and int4 tiles of 16 rows (csrc/quant_kernels.c).
+# avx512: the weight-streaming kernel in 512-bit vectors (csrc/cpu_kernels.c), with a bf16 dot product
+# path (vdpbf16ps, a function target) that the caller runs only on CPUs with AVX512-BF16; avx512_vnni:
+# also the quantized dot products on vpdpbusd and int4 tiles of 16 rows (csrc/quant_kernels.c).
 _AVX512 = ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl"]
 LEVEL_CFLAGS = {
     "avx2": ["-mavx2", "-mfma", "-mf16c"],
@@ -51,7 +52,7 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 class AnnaLinear(ctypes.Structure):
     _fields_ = [("weight", ctypes.c_void_p), ("scales", ctypes.c_void_p), ("bias", ctypes.c_void_p),
                 ("wtype", ctypes.c_int), ("qkind", ctypes.c_int), ("group", ctypes.c_long), ("n", ctypes.c_long),
-                ("k", ctypes.c_long)]
+                ("k", ctypes.c_long), ("bf16_dot_rows", ctypes.c_int)]
 
 
 class AnnaLayer(ctypes.Structure):
@@ -110,8 +111,8 @@ class CpuKernels:
         self.build_id = library.stem  # the level and the hash of the sources and flags
         lib = ctypes.CDLL(str(library))
         p, i, l, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
-        lib.anna_gemv.argtypes = [p, p, i, p, p, i, l, l, i]
-        lib.anna_gemv_experts.argtypes = [p, p, p, p, l, i, p, l, l, i]
+        lib.anna_gemv.argtypes = [p, p, i, p, p, i, l, l, i, i]
+        lib.anna_gemv_experts.argtypes = [p, p, p, p, l, i, p, l, l, i, i]
         lib.anna_deinterleave_rows.argtypes = [p, i, l, l, p, i]
         lib.anna_deinterleave_rows16.argtypes = [p, l, l, p, i]
         lib.anna_add_rmsnorm.argtypes = [p, p, p, i, p, l, l, f, i]
@@ -141,27 +142,29 @@ class CpuKernels:
         return (weight.dtype in WEIGHT_TYPES and weight.dim() == 2 and weight.shape[1] % 8 == 0
                 and weight.is_contiguous() and weight.device.type == "cpu")
 
-    def gemv(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def gemv(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+             bf16_dot_rows: int = 0) -> torch.Tensor:
         """y = x W^T (+ b) for a few rows of x, reading each weight row once for all of them.
-        ``weight`` must be in linear.interleave_rows' layout."""
+        ``weight`` must be in linear.interleave_rows' layout. From ``bf16_dot_rows`` rows of x on
+        (0: never), bf16 weights are multiplied by x rounded to bf16 on vdpbf16ps (LinearRouting)."""
         k = x.shape[-1]
         x2 = x.reshape(-1, k).float().contiguous()
         rows, n = x2.shape[0], weight.shape[0]
         y = torch.empty(rows, n, dtype=torch.float32)
         b = None if bias is None else bias.float().contiguous()
         self.lib.anna_gemv(x2.data_ptr(), weight.data_ptr(), WEIGHT_TYPES[weight.dtype], _ptr(b), y.data_ptr(),
-                           rows, n, k, torch.get_num_threads())
+                           rows, n, k, bf16_dot_rows, torch.get_num_threads())
         return y.view(*x.shape[:-1], n)
 
     def gemv_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, starts: torch.Tensor,
-                     wtype: int, n: int) -> torch.Tensor:
+                     wtype: int, n: int, bf16_dot_rows: int = 0) -> torch.Tensor:
         """gemv of several experts in one call: rows [starts[g], starts[g + 1]) of x [rows, K] times
         expert ids[g]'s weight, at weights[ids[g]] (an int64 table of data pointers; every expert
         [n, K] of type ``wtype`` in interleave_rows' layout, no bias)."""
         x2 = x.float().contiguous()
         y = torch.empty(x2.shape[0], n, dtype=torch.float32)
         self.lib.anna_gemv_experts(x2.data_ptr(), weights.data_ptr(), ids.data_ptr(), starts.data_ptr(), ids.numel(),
-                                   wtype, y.data_ptr(), n, x2.shape[1], torch.get_num_threads())
+                                   wtype, y.data_ptr(), n, x2.shape[1], bf16_dot_rows, torch.get_num_threads())
         return y
 
     def _matmul_operand(self, n: int, k: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
