@@ -4,7 +4,7 @@ measured in the same run: how much of the machine's matmul throughput a prefill 
     python benchmarks/prefill_bench.py --model benchmarks/models/qwen2.5-0.5b --prompt-tokens 2048
 
 Prefill: one --prompt-tokens prompt of distinct random ids (time to its first token, prefix caching
-off, the prompt in one step). Matmul ceiling: every linear layer of the loaded model except the
+off, the prompt in one step, or in the chunks --chunk says). Matmul ceiling: every linear layer of the loaded model except the
 lm_head (a prefill samples one position) as a torch matmul of --prompt-tokens rows on a row-major
 copy of its weight, timed in bf16 (bf16 activations: oneDNN's AVX512-BF16/AMX kernels where the
 CPU has them) and in fp32, the faster of the two per shape; the ceiling's tokens/s = prompt tokens
@@ -64,13 +64,18 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--quantization", default="none", choices=["none", "int8", "int4"])
     ap.add_argument("--cpu-isa", default="auto", help="CPU kernel level (a lower one than the CPU's forces its path)")
+    ap.add_argument("--chunk", type=int, default=0,
+                    help="Prompt tokens per step: 0 = the whole prompt in one step; -1 = the engine's own choice "
+                         "(long_prefill_token_threshold: calibrated on this host, else the profile's)")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/prefill_bench.json"))
     args = ap.parse_args()
 
     m = args.prompt_tokens
+    chunking = {} if args.chunk < 0 else {"long_prefill_token_threshold": args.chunk or max(2048, m)}
     llm = LLM(args.model, dtype=args.dtype, device="cpu", enable_prefix_caching=False, quantization=args.quantization,
-              max_model_len=max(4096, m + 16), max_num_batched_tokens=max(2048, m),
-              long_prefill_token_threshold=max(2048, m), cpu_isa=args.cpu_isa, inference_warmup=False)
+              max_model_len=max(4096, m + 16), max_num_batched_tokens=max(2048, m), cpu_isa=args.cpu_isa,
+              inference_warmup=False, **chunking)
+    chunk = llm.llm_engine.settings.long_prefill_token_threshold
     shapes = linear_shapes(llm)
     gen = torch.Generator().manual_seed(0)
     vocab = llm.llm_engine.runner.model.config.vocab_size
@@ -93,7 +98,7 @@ def main() -> None:
     isa = detect_isa(force=args.cpu_isa)
     results = {"cpu": isa.model_name, "cpu_isa": isa.level, "threads": torch.get_num_threads(),
                "torch": torch.__version__, "model": args.model, "dtype": args.dtype,
-               "quantization": args.quantization, "prompt_tokens": m,
+               "quantization": args.quantization, "prompt_tokens": m, "chunk": chunk,
                "prefill_tok_s": round(prefill_tok_s, 1), "prefill_s_runs": [round(s, 3) for s in prefills],
                "matmul_ceiling_tok_s": round(ceiling_tok_s, 1), "matmul_ceiling_s_runs": [round(s, 3) for s in ceilings],
                "matmul_ceiling_path": paths, "fraction": round(prefill_tok_s / ceiling_tok_s, 3)}

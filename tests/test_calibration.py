@@ -63,6 +63,28 @@ def test_the_choice_is_a_pure_function_of_the_measurements():
     assert smallest_good_chunk([128, 256], [1.0, 1.0]) == 256  # 128 costs twice as much per token
 
 
+def test_the_lm_head_is_timed_only_at_the_rows_a_step_samples():
+    """A step's lm_head multiplies the sampled positions only (at most max_num_seqs): at larger M
+    (prefill chunks) a pass of the model does not include it."""
+    from anna.platforms.cpu.calibration import LayerGroup, Timer, _model_seconds
+
+    seen: list[tuple[str, int]] = []
+
+    class Layer(torch.nn.Module):
+        def __init__(self, name: str) -> None:
+            super().__init__()
+            self.name, self.in_features = name, 8
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            seen.append((self.name, x.shape[0]))
+            return x
+
+    groups = [LayerGroup(Layer("body"), 24, False), LayerGroup(Layer("lm_head"), 1, True)]
+    for rows in (64, 65):
+        _model_seconds(Timer(10.0, sampled_rows=64), groups, rows, warm_up=False)
+    assert seen == [("body", 64), ("lm_head", 64), ("body", 65)]
+
+
 def test_the_first_start_measures_stores_and_applies(qwen2_dir, store):
     engine = _engine(qwen2_dir, store)
     [path] = _stored(store)
@@ -139,13 +161,13 @@ def test_a_calibration_that_cannot_run_leaves_the_built_in_values(qwen2_dir, sto
 
     engine = _engine(qwen2_dir, store, calibrate=False)
     model, ops, isa = engine.runner.model, engine.runner.model.norm.ops, detect_isa()
-    nothing = calibrate(model, ops, isa, cache_dir=str(store), max_chunk=2048, budget_s=0.0)
+    nothing = calibrate(model, ops, isa, cache_dir=str(store), max_chunk=2048, max_rows=64, budget_s=0.0)
     assert nothing is not None and nothing.values == {}  # no time to measure: no value replaces a built-in
 
     def broken(*args, **kwargs):
         raise RuntimeError("no such kernel here")
 
-    assert calibrate(model, ops, isa, cache_dir=str(store), max_chunk=2048, refresh=True,
+    assert calibrate(model, ops, isa, cache_dir=str(store), max_chunk=2048, max_rows=64, refresh=True,
                      measure_fn=broken) is None
     assert "Calibration failed (RuntimeError: no such kernel here)" in caplog.text
     assert ops.routing.gemv_max_rows == 128  # (measuring restores the routing it changes)

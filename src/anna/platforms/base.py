@@ -125,7 +125,7 @@ class Platform:
         return ModelOps(quant, linear_routing(cpu), profiler)
 
     def calibrate(self, model: torch.nn.Module, ops: ModelOps, cpu: Any, *, cache_dir: str, max_chunk: int,
-                  refresh: bool = False) -> Any:
+                  max_rows: int, refresh: bool = False) -> Any:
         """This host's measured routing thresholds and chunk size for the model (a Calibration,
         platforms/cpu/calibration.py), or None where the device's built-in values stand."""
         return None

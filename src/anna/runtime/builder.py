@@ -204,7 +204,8 @@ def _build_engine_parts(s: ResolvedSettings, show_progress: bool, recalibrate: b
     platform, dtype, act_dtype, ops, model, specs = (share.platform, share.dtype, share.activation_dtype, share.ops,
                                                      share.model, share.specs)
     calibration = platform.calibrate(model, ops, cpu, cache_dir=m.cache_dir, refresh=recalibrate,
-                                     max_chunk=sch.max_num_batched_tokens) if cpu.calibrate or recalibrate else None
+                                     max_chunk=sch.max_num_batched_tokens,
+                                     max_rows=sch.max_num_seqs) if cpu.calibrate or recalibrate else None
     s = _apply_calibration(s, ops, calibration)
     sch = s.sections.scheduler
     log.info("Resolved settings:\n%s", s.table())

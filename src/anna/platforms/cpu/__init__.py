@@ -150,13 +150,13 @@ class CpuPlatform(Platform):
         return ops
 
     def calibrate(self, model: torch.nn.Module, ops: ModelOps, cpu: Any, *, cache_dir: str, max_chunk: int,
-                  refresh: bool = False) -> Any:
+                  max_rows: int, refresh: bool = False) -> Any:
         from anna.platforms.cpu.calibration import calibrate
         from anna.platforms.cpu.isa import detect_isa
 
         with self.numerics():
             return calibrate(model, ops, detect_isa(force=cpu.cpu_isa), cache_dir=cache_dir, max_chunk=max_chunk,
-                             refresh=refresh)
+                             max_rows=max_rows, refresh=refresh)
 
     def capability(self) -> str:
         return f"cpu-{torch.backends.cpu.get_cpu_capability()}"

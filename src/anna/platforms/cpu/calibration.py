@@ -117,11 +117,11 @@ def calibration_key(host: dict[str, Any], model_ident: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:24]
 
 
-def model_identity(groups: list[LayerGroup], ops: Any, max_chunk: int) -> dict[str, Any]:
+def model_identity(groups: list[LayerGroup], ops: Any, max_chunk: int, max_rows: int) -> dict[str, Any]:
     shapes = sorted([_format(g.layer), g.layer.out_features, g.layer.in_features, g.count, g.lm_head] for g in groups)
     return {"shapes": shapes, "kernels": ops.kernels.build_id if ops.kernels is not None else None,
             "bf16_matmul": ops.routing.bf16_matmul,
-            "int4_matmul": ops.routing.int4_matmul, "max_chunk": max_chunk}
+            "int4_matmul": ops.routing.int4_matmul, "max_chunk": max_chunk, "max_rows": max_rows}
 
 
 def _format(layer: Any) -> str:
@@ -182,10 +182,12 @@ def choose(measurements: dict[str, dict[str, list]]) -> dict[str, int]:
 # ---- measuring ----
 
 class Timer:
-    """Times calls against one deadline."""
+    """Times calls against one deadline; ``sampled_rows``: the most positions one step samples
+    (max_num_seqs), the largest M the lm_head sees."""
 
-    def __init__(self, budget_s: float) -> None:
+    def __init__(self, budget_s: float, sampled_rows: int = 1 << 30) -> None:
         self.deadline = time.perf_counter() + budget_s
+        self.sampled_rows = sampled_rows
 
     def seconds(self, fn: Callable[[], Any], warm_up: bool) -> float:
         if time.perf_counter() > self.deadline:
@@ -212,9 +214,13 @@ def _routing(ops: Any, **changes: Any) -> Iterator[None]:
 
 
 def _model_seconds(timer: Timer, groups: list[LayerGroup], rows: int, warm_up: bool) -> float:
-    """Seconds of one pass of these layers (each group's layer timed once, times its count)."""
+    """Seconds of one pass of these layers (each group's layer timed once, times its count). The
+    lm_head multiplies only the positions a step samples, at most ``timer.sampled_rows``: beyond
+    that M it is not part of a pass."""
     total = 0.0
     for g in groups:
+        if g.lm_head and rows > timer.sampled_rows:
+            continue
         x = torch.randn(rows, g.layer.in_features)
         total += g.count * timer.seconds(lambda: g.layer(x), warm_up)
     return total
@@ -281,9 +287,11 @@ def _both_paths(timer: Timer, ops: Any, groups: list[LayerGroup], rows: tuple[in
     return _in_rounds(out, "rows", ("kernel_s", "other_s"), at)
 
 
-def measure(model: torch.nn.Module, ops: Any, max_chunk: int, budget_s: float = BUDGET_S) -> dict[str, dict[str, list]]:
-    """Measurements for each setting that applies to this model and ops."""
-    timer = Timer(budget_s)
+def measure(model: torch.nn.Module, ops: Any, max_chunk: int, budget_s: float = BUDGET_S,
+            max_rows: int = 1 << 30) -> dict[str, dict[str, list]]:
+    """Measurements for each setting that applies to this model and ops (``max_rows``: the most
+    positions a step samples, max_num_seqs)."""
+    timer = Timer(budget_s, max_rows)
     groups = layer_groups(model)
     dense = [g for g in groups if not isinstance(g.layer, QuantLinear) or g.layer.kind == 0]
     int4 = [g for g in groups if isinstance(g.layer, QuantLinear) and g.layer.kind == 1]
@@ -362,13 +370,15 @@ def write_cached(path: Path, calibration: Calibration) -> None:
         log.warning("Calibration not stored at %s (%s): the next start measures again", path, exc)
 
 
-def calibrate(model: torch.nn.Module, ops: Any, isa: CpuIsa, *, cache_dir: str, max_chunk: int, refresh: bool = False, budget_s: float = BUDGET_S,
+def calibrate(model: torch.nn.Module, ops: Any, isa: CpuIsa, *, cache_dir: str, max_chunk: int, max_rows: int,
+              refresh: bool = False, budget_s: float = BUDGET_S,
               measure_fn: Callable[..., dict] = measure) -> Calibration | None:
     """The host's calibration for this model: stored, or measured now (``refresh``: always
-    measured). None, with a warning, when it cannot be measured: the built-in values stand."""
+    measured). None, with a warning, when it cannot be measured: the built-in values stand.
+    ``max_chunk``: the most tokens a step prefills; ``max_rows``: the most positions it samples."""
     groups = layer_groups(model)
     host = host_identity(isa)
-    key = calibration_key(host, model_identity(groups, ops, max_chunk))
+    key = calibration_key(host, model_identity(groups, ops, max_chunk, max_rows))
     path = cache_path(cache_dir, key)
     if not refresh:
         cached = read_cached(path, key)
@@ -378,7 +388,7 @@ def calibrate(model: torch.nn.Module, ops: Any, isa: CpuIsa, *, cache_dir: str, 
             return cached
     t0 = time.perf_counter()
     try:
-        measurements = measure_fn(model, ops, max_chunk=max_chunk, budget_s=budget_s)
+        measurements = measure_fn(model, ops, max_chunk=max_chunk, budget_s=budget_s, max_rows=max_rows)
         values = choose(measurements)
     except Exception as exc:  # (a kernel that cannot run here, a shape torch refuses: serve on the built-ins)
         log.warning("Calibration failed (%s: %s): the built-in values stand", type(exc).__name__, exc)
