@@ -55,6 +55,9 @@ class LinearRouting:
     # ... and from this M on, the weight-streaming kernel multiplies bf16 weights by x rounded to bf16
     # on vdpbf16ps (0: never; only where bf16_matmul, whose CPUs have the instruction)
     bf16_dot_rows: int = 0
+    # CPU: a gated MLP of more rows runs in tiles of this many (0: whole), so that its wide
+    # intermediate rows stay in cache between its two matmuls
+    mlp_tile_rows: int = 0
 
 
 class ModelOps:

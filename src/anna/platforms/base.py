@@ -165,7 +165,7 @@ def linear_routing(cpu: Any, bf16_matmul: bool = False) -> LinearRouting:
     threshold = cpu.int4_gemv_m_threshold if cpu.int4_gemv_m_threshold >= 0 else INT4_PACKED_MAX_ROWS[bf16_matmul]
     dot_rows = cpu.cpu_bf16_dot_min_rows if cpu.cpu_bf16_dot_min_rows >= 0 else BF16_DOT_MIN_ROWS
     return LinearRouting(cpu.cpu_gemv_max_rows, cpu.cpu_upcast_min_rows, cpu.int4_matmul, threshold, bf16_matmul,
-                         dot_rows if bf16_matmul else 0)
+                         dot_rows if bf16_matmul else 0, cpu.cpu_mlp_tile_rows)
 
 
 def no_graph_reason(profiling: bool, model: Any) -> str | None:
