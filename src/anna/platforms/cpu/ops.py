@@ -60,11 +60,12 @@ class CpuTorchOps(ModelOps):
         return _with_bias(_bf16_matmul(self, layer, x).to(x.dtype), layer)
 
     def gated_mlp(self, mlp: Any, x: torch.Tensor) -> torch.Tensor:
-        """In tiles of routing.mlp_tile_rows rows: a 2,048-token prefill's [gate | up] rows are
-        80 MB in fp32, written to memory and read back; a tile's stay in cache, while the layer's
-        weights, read once per tile, come from cache too."""
+        """In tiles of routing.mlp_tile_rows rows where the matmuls give fp32 rows: a 2,048-token
+        prefill's [gate | up] rows are 80 MB in fp32, written to memory and read back; a tile's stay
+        in cache, while the layer's weights, read once per tile, come from cache too. An MLP on bf16
+        GEMMs runs whole: its intermediate is bf16 already, and each tile would copy its weights."""
         rows, tile = x.numel() // x.shape[-1], self.routing.mlp_tile_rows
-        if not 0 < tile < rows:
+        if not 0 < tile < rows or (self.runs_bf16(mlp.gate_up_proj, rows) and self.runs_bf16(mlp.down_proj, rows)):
             return self._gated_mlp_rows(mlp, x)
         x2 = x.reshape(rows, x.shape[-1])
         out = torch.cat([self._gated_mlp_rows(mlp, x2[i:i + tile]) for i in range(0, rows, tile)])
