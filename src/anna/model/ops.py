@@ -57,7 +57,7 @@ class LinearRouting:
     bf16_dot_rows: int = 0
     # CPU: a gated MLP of more rows runs in tiles of this many (0: whole), so that its wide
     # intermediate rows stay in cache between its two matmuls
-    mlp_tile_rows: int = 0
+    mlp_tile_rows: int = 256
 
 
 class ModelOps:
