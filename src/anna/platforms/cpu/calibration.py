@@ -242,8 +242,10 @@ def _in_rounds(out: dict[str, list], point: str, series: tuple[str, ...],
 
 
 def _crossover(timer: Timer, ops: Any, groups: list[LayerGroup], rows: tuple[int, ...],
-               kernel: Callable[[int], dict[str, Any]], other: dict[str, Any]) -> dict[str, list]:
-    """Both paths at each M (the first round stops once the kernel has lost at two Ms in a row)."""
+               kernel: Callable[[int], dict[str, Any]], other: dict[str, Any],
+               losses_to_stop: int = 2) -> dict[str, list]:
+    """Both paths at each M; the first round stops once the kernel has lost at ``losses_to_stop``
+    Ms in a row (0: every M is measured)."""
     def at(m: int, warm_up: bool = False) -> list[float]:
         with _routing(ops, **kernel(m)):
             k = _model_seconds(timer, groups, m, warm_up)
@@ -261,29 +263,8 @@ def _crossover(timer: Timer, ops: Any, groups: list[LayerGroup], rows: tuple[int
         out["kernel_s"].append(k)
         out["other_s"].append(o)
         losses = losses + 1 if k > o else 0
-        if losses == 2:
+        if losses_to_stop and losses == losses_to_stop:
             break
-    return _in_rounds(out, "rows", ("kernel_s", "other_s"), at)
-
-
-def _both_paths(timer: Timer, ops: Any, groups: list[LayerGroup], rows: tuple[int, ...], kernel: dict[str, Any],
-                other: dict[str, Any], **common: Any) -> dict[str, list]:
-    """Two routings of the same kernel at every M of ``rows`` (both run, so no early stop)."""
-    def at(m: int, warm_up: bool = False) -> list[float]:
-        with _routing(ops, **common, **kernel):
-            k = _model_seconds(timer, groups, m, warm_up)
-        with _routing(ops, **common, **other):
-            return [k, _model_seconds(timer, groups, m, warm_up)]
-
-    out: dict[str, list] = {"rows": [], "kernel_s": [], "other_s": []}
-    for m in rows:
-        try:
-            k, o = at(m, warm_up=True)
-        except OutOfTime:
-            break
-        out["rows"].append(m)
-        out["kernel_s"].append(k)
-        out["other_s"].append(o)
     return _in_rounds(out, "rows", ("kernel_s", "other_s"), at)
 
 
@@ -300,8 +281,10 @@ def measure(model: torch.nn.Module, ops: Any, max_chunk: int, budget_s: float = 
     out: dict[str, dict[str, list]] = {}
     with torch.inference_mode():
         if ops.kernels is not None and bf16 and ops.routing.bf16_matmul:
-            out["cpu_bf16_dot_min_rows"] = _both_paths(timer, ops, bf16, DOT_ROWS, {"bf16_dot_rows": 1},
-                                                       {"bf16_dot_rows": 0}, gemv_max_rows=max(DOT_ROWS))
+            kernel_serves = {"gemv_max_rows": max(DOT_ROWS)}  # the weight-streaming kernel, with and without
+            out["cpu_bf16_dot_min_rows"] = _crossover(timer, ops, bf16, DOT_ROWS,
+                                                      lambda m: kernel_serves | {"bf16_dot_rows": 1},
+                                                      kernel_serves | {"bf16_dot_rows": 0}, losses_to_stop=0)
         if ops.kernels is not None and dense:
             dot = choose(out).get("cpu_bf16_dot_min_rows", ops.routing.bf16_dot_rows)
             with _routing(ops, bf16_dot_rows=dot):
