@@ -208,7 +208,8 @@ def test_bf16_dot_products_stay_with_transformers_through_prefill_and_fused_deco
 def test_the_mlp_in_row_tiles_gives_the_whole_mlps_logits(hf_models, cache_dir, tmp_path):
     """cpu_mlp_tile_rows: a 200-token prefill whose gated MLPs run in tiles of 64 rows (4 tiles, the
     last one short) gives the logits of the MLPs run whole: bit for bit on the packed int4 kernel
-    (every row of x is its own), within rounding on the fp32 model's GEMMs; and the tiles are real."""
+    (every row of x is its own), within rounding for the fp32 model (tiles on the weight-streaming
+    kernel, the whole MLP on the fp32 GEMM); and the tiles are real."""
     from anna.runtime.engine import LLMEngine
     from conftest import engine_settings
     from helpers import run_logits

@@ -134,8 +134,9 @@ class ServeSettings:
             "width); 0 = never (x stays fp32); -1 = 8 where the CPU has AVX512-BF16 (cpu_isa), else never.",
         minimum=-1)
     cpu_mlp_tile_rows: int | None = _setting(
-        256, "On CPU, a gated MLP of more rows (prefill) whose matmuls give fp32 rows runs in tiles of this many, so "
-             "that its wide intermediate rows stay in cache between its two matmuls (bf16 GEMMs run whole); 0 = whole.")
+        256, "On CPU, a gated MLP of more rows (prefill) runs in tiles of this many where Anna's kernels serve a "
+             "tile from the stored weights, so that its wide intermediate rows stay in cache between its two "
+             "matmuls; 0 = whole.")
     calibrate: bool | None = _setting(
         True, "On CPU, the first start on a new host times this model's layers (a few seconds, before serving) to "
               "set cpu_gemv_max_rows, cpu_bf16_dot_min_rows, int4_gemv_m_threshold, cpu_upcast_min_rows and the "

@@ -32,6 +32,11 @@ class CpuTorchOps(ModelOps):
         dense bf16 weights as they are, quantized ones dequantized to bf16)."""
         return self.routing.bf16_matmul and (isinstance(layer, QuantLinear) or layer.weight.dtype == torch.bfloat16)
 
+    def serves_stored(self, layer: Any, rows: int) -> bool:
+        """Whether Anna's kernels serve a matmul of ``rows`` rows from the weight as stored (no
+        copy or conversion of it per call)."""
+        return False
+
     def bf16_weight(self, layer: Any) -> torch.Tensor:
         """The row-major bf16 weight of a layer that ``runs_bf16`` (a copy may be valid only until
         the next call: see CpuKernels._matmul_operand)."""
@@ -60,12 +65,15 @@ class CpuTorchOps(ModelOps):
         return _with_bias(_bf16_matmul(self, layer, x).to(x.dtype), layer)
 
     def gated_mlp(self, mlp: Any, x: torch.Tensor) -> torch.Tensor:
-        """In tiles of routing.mlp_tile_rows rows where the matmuls give fp32 rows: a 2,048-token
-        prefill's [gate | up] rows are 80 MB in fp32, written to memory and read back; a tile's stay
-        in cache, while the layer's weights, read once per tile, come from cache too. An MLP on bf16
-        GEMMs runs whole: its intermediate is bf16 already, and each tile would copy its weights."""
+        """In tiles of routing.mlp_tile_rows rows where Anna's kernels serve a tile from the stored
+        weights: a 2,048-token prefill's [gate | up] rows are 80 MB in fp32, written to memory and
+        read back; a tile's stay in cache, while the layer's weights come from cache too. Otherwise
+        the MLP runs whole: on bf16 GEMMs its intermediate is bf16 already, and a path that copies or
+        converts the weights for each matmul would do so once per tile."""
         rows, tile = x.numel() // x.shape[-1], self.routing.mlp_tile_rows
-        if not 0 < tile < rows or (self.runs_bf16(mlp.gate_up_proj, rows) and self.runs_bf16(mlp.down_proj, rows)):
+        gate_up, down = mlp.gate_up_proj, mlp.down_proj
+        if (not 0 < tile < rows or (self.runs_bf16(gate_up, rows) and self.runs_bf16(down, rows))
+                or not (self.serves_stored(gate_up, tile) and self.serves_stored(down, tile))):
             return self._gated_mlp_rows(mlp, x)
         x2 = x.reshape(rows, x.shape[-1])
         out = torch.cat([self._gated_mlp_rows(mlp, x2[i:i + tile]) for i in range(0, rows, tile)])
@@ -108,9 +116,11 @@ class CpuKernelOps(CpuTorchOps):
         r = self.routing
         return r.int4_matmul == "packed" or (r.int4_matmul == "auto" and rows <= r.int4_gemv_m_threshold)
 
+    def serves_stored(self, layer: Any, rows: int) -> bool:
+        return (self.reads_packed if isinstance(layer, QuantLinear) else self.streams_weight)(layer, rows)
+
     def runs_bf16(self, layer: Any, rows: int) -> bool:
-        served = self.reads_packed if isinstance(layer, QuantLinear) else self.streams_weight
-        return not served(layer, rows) and super().runs_bf16(layer, rows)
+        return not self.serves_stored(layer, rows) and super().runs_bf16(layer, rows)
 
     def bf16_weight(self, layer: Any) -> torch.Tensor:
         if isinstance(layer, QuantLinear) or not layer.interleaved:  # (dequantize: straight to bf16 in C)
@@ -204,8 +214,7 @@ class CpuKernelOps(CpuTorchOps):
         most = max(counts)
         if gate_up.bias is not None:
             return None
-        serves = self.reads_packed if isinstance(gate_up, QuantLinear) else self.streams_weight
-        if not (serves(gate_up, most) and serves(down, most)):
+        if not (self.serves_stored(gate_up, most) and self.serves_stored(down, most)):
             return None
         active = [e for e, count in enumerate(counts) if count]
         ids = torch.tensor(active, dtype=torch.long)
