@@ -164,8 +164,9 @@ def kernels_at_level(level: str, cache_dir: Path):
 def engine_settings(model_dir, cache_dir, **overrides):
     from anna.core.config import ServeSettings
 
+    # env={} below: ANNA_CALIBRATE=0 does not reach these settings, so the built-in routing is set here
     base = dict(model=str(model_dir), dtype="float32", device="cpu", cache_dir=str(cache_dir),
-                num_gpu_blocks_override=256, max_model_len=512, log_level="warning")
+                num_gpu_blocks_override=256, max_model_len=512, log_level="warning", calibrate=False)
     base.update(overrides)
     return ServeSettings(**base).resolve(env={})
 
