@@ -161,6 +161,20 @@ def kernels_at_level(level: str, cache_dir: Path):
     return kernels
 
 
+def amx_kernels(build: str, cache_dir: Path):
+    """The amx level's kernels, ``native`` (an AMX CPU) or ``emulated`` (its tile instructions in
+    C, csrc/amx_tiles.h, which runs on an AVX-512 VNNI CPU); skipped, saying why, where this CPU
+    can run neither."""
+    from anna.platforms.cpu.kernels import AMX_EMULATED_CFLAGS, load_kernels
+
+    if build == "native":
+        return kernels_at_level("amx", cache_dir)
+    kernels_at_level("avx512_vnni", cache_dir)  # skips a CPU without it
+    kernels = load_kernels(cache_dir, "", "amx", AMX_EMULATED_CFLAGS, name="amx_emulated")
+    assert kernels is not None and kernels.amx_state == 0
+    return kernels
+
+
 def engine_settings(model_dir, cache_dir, **overrides):
     from anna.core.config import ServeSettings
 

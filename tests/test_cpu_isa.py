@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-
+import logging
 from typing import Any
 
 import pytest
@@ -258,7 +258,7 @@ def test_int4_dequantized_gemm_in_bf16_stays_with_fp32(hf_models, cache_dir, tmp
     assert 0 < rel < 0.01, rel
 
 
-@pytest.mark.parametrize("level", ["avx2", "avx512", "avx512_vnni"])
+@pytest.mark.parametrize("level", ["avx2", "avx512", "avx512_vnni", "amx"])
 @pytest.mark.parametrize("quantization", ["none", "int4"])
 def test_every_kernel_level_stays_with_transformers_through_the_model(level, quantization, hf_models, cache_dir,
                                                                       tmp_path):
@@ -284,3 +284,53 @@ def test_every_kernel_level_stays_with_transformers_through_the_model(level, qua
     else:
         fake = hf_logits(fake_quantized(model, quantization), seq)
         assert ((logits - fake).norm() / fake.norm()).item() < 0.02
+
+
+def test_int4_prefill_on_emulated_amx_tiles_stays_with_transformers(hf_models, cache_dir, tmp_path):
+    """The amx level's int4 path through a whole model, on CPUs without AMX: the avx512_vnni
+    engine's ops switched to the build whose tile instructions are emulated in C. A 40-token
+    prefill (its matmuls on tiles of 16 rows, the last one short) and 6 decode steps give the
+    vnni engine's logits to the bit, and transformers' on the dequantized weights."""
+    from anna.runtime.engine import LLMEngine
+    from conftest import amx_kernels, engine_settings
+    from helpers import fake_quantized, hf_logits, run_logits
+
+    amx = amx_kernels("emulated", cache_dir)
+    model, path = hf_models["qwen2"]
+    prompt = [(i * 37 + 11) % 700 + 3 for i in range(40)]
+    got = {}
+    for build in ("vnni", "amx"):
+        engine = LLMEngine(engine_settings(path, cache_dir, cpu_isa="avx512_vnni", quantization="int4",
+                                           int4_matmul="packed", int4_cache_dir=str(tmp_path)), show_progress=False)
+        ops = engine.runner.model.norm.ops
+        if build == "amx":
+            ops.kernels = amx
+        qgemm, rows = ops.kernels.qgemm, []
+        ops.kernels.qgemm = lambda x, *a, qgemm=qgemm, rows=rows: rows.append(x.shape[0]) or qgemm(x, *a)
+        got[build] = run_logits(engine, prompt, 6)
+        del ops.kernels.qgemm
+        assert 40 in rows  # the prefill's matmuls ran on this build
+    assert torch.equal(got["vnni"][0], got["amx"][0]) and got["vnni"][1] == got["amx"][1]
+    logits, tokens = got["amx"]
+    fake = hf_logits(fake_quantized(model, "int4"), prompt + tokens[:-1])
+    assert ((logits - fake).norm() / fake.norm()).item() < 0.02
+
+
+def test_the_amx_build_asks_linux_for_the_tiles_and_falls_back_when_refused(cache_dir, caplog):
+    """The amx build asks Linux for the tile data state when it loads (arch_prctl
+    ARCH_REQ_XCOMP_PERM): an AMX CPU grants it and runs that build; elsewhere (a CPU said to have
+    AMX that does not) the refusal is logged and the avx512_vnni build runs instead."""
+    from anna.platforms.cpu.isa import CpuIsa
+    from anna.platforms.cpu.kernels import build_cpu_kernels
+
+    here = detect_isa()
+    if not here.has("avx512_vnni"):
+        pytest.skip(f"the avx512_vnni build that a refusal falls back to: this CPU ({here.model_name}) has "
+                    f"instruction sets up to {here.available}")
+    with caplog.at_level(logging.WARNING, logger="anna.platforms.cpu.kernels"):
+        kernels = build_cpu_kernels(cache_dir, isa=CpuIsa(here.model_name, here.flags, "amx", "amx"))
+    if here.has("amx"):
+        assert kernels.level == "amx" and kernels.amx_state == 0
+    else:
+        assert kernels.level == "avx512_vnni" and kernels.amx_state == -1
+        assert "did not let Anna use the AMX tiles" in caplog.text

@@ -11,7 +11,10 @@ which uses AVX512-BF16 or AMX (Linux's AMX permission request is oneDNN's own), 
 converting the weights to fp32, its gated MLP keeps its intermediate rows in bf16, its
 prefill attention runs in bf16, and Anna's weight-streaming kernel multiplies its bf16 weights on
 vdpbf16ps from cpu_bf16_dot_min_rows rows of x on (the routing passes that to each call; the
-instruction is compiled into the AVX-512 builds as a function target, run only at this level).
+instruction is compiled into the AVX-512 builds as a function target, run only at this level);
+at amx, the kernels are built with AMX too and run int4 matmuls of 16 rows of x or more on int8
+tiles (csrc/amx_tiles.h; Linux's permission is asked for when they load, and a refusal falls back
+to the avx512_vnni build).
 ``--cpu-isa`` forces a lower level (an AMX machine then runs the AVX2 path); forcing one the CPU
 lacks is refused at start.
 """

@@ -28,19 +28,25 @@ KERNEL_DIR = Path(__file__).parent / "csrc"
 # decode_attention.c first: it takes most of the build, so it starts before the others
 SOURCES = [KERNEL_DIR / name for name in ("decode_attention.c", "cpu_kernels.c", "quant_kernels.c", "decode_layers.c",
                                           "gated_delta.c", "decode_hybrid.c", "kv_cache.c")]
-HEADERS = [KERNEL_DIR / name for name in ("work_split.h", "decode_common.h", "bf16.h", "kv_format.h", "vec_math.h")]
+HEADERS = [KERNEL_DIR / name for name in ("work_split.h", "decode_common.h", "bf16.h", "kv_format.h", "vec_math.h",
+                                          "amx_tiles.h")]
 CFLAGS = ["-O3", "-fopenmp", "-fPIC"]
 # The levels the kernels are built for (isa.py's names), each with the instruction sets it may use;
 # a CPU runs the highest one it has (or the one --cpu-isa forces).
 # avx512: the weight-streaming kernel in 512-bit vectors (csrc/cpu_kernels.c), with a bf16 dot product
 # path (vdpbf16ps, a function target) that the caller runs only on CPUs with AVX512-BF16; avx512_vnni:
-# also the quantized dot products on vpdpbusd and int4 tiles of 16 rows (csrc/quant_kernels.c).
+# also the quantized dot products on vpdpbusd and int4 tiles of 16 rows (csrc/quant_kernels.c); amx:
+# also int4 matmuls of 16 rows of x or more on AMX int8 tiles (csrc/amx_tiles.h).
 _AVX512 = ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl"]
 LEVEL_CFLAGS = {
     "avx2": ["-mavx2", "-mfma", "-mf16c"],
     "avx512": _AVX512,
     "avx512_vnni": [*_AVX512, "-mavx512vnni"],
+    "amx": [*_AVX512, "-mavx512vnni", "-mamx-tile", "-mamx-int8"],
 }
+# The amx level's code with its tile instructions emulated in C (csrc/amx_tiles.h), on the
+# avx512_vnni level's flags: the tests build it to check that code on CPUs without AMX.
+AMX_EMULATED_CFLAGS = [*LEVEL_CFLAGS["avx512_vnni"], "-DANNA_AMX_EMULATE"]
 WEIGHT_TYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 UNPACK_SCRATCH_BYTES = 128 << 20
 
@@ -110,6 +116,10 @@ class CpuKernels:
         self.level = level  # the kernel level it was built for (LEVEL_CFLAGS)
         self.build_id = library.stem  # the level and the hash of the sources and flags
         lib = ctypes.CDLL(str(library))
+        lib.anna_amx_state.restype = ctypes.c_int
+        # -1: a build without the AMX path; else 0 once Linux has let this process use the tiles
+        # (asked here, before any tile instruction runs), or the errno of its refusal
+        self.amx_state = lib.anna_amx_state()
         p, i, l, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
         lib.anna_gemv.argtypes = [p, p, i, p, p, i, l, l, i, i]
         lib.anna_gemv_experts.argtypes = [p, p, p, p, l, i, p, l, l, i, i]
@@ -136,6 +146,11 @@ class CpuKernels:
             fn.restype = None
         self.lib = lib
         self._scratch: dict[torch.dtype, torch.Tensor] = {}  # per dtype; see _matmul_operand
+
+    @property
+    def int8_dot_products(self) -> bool:
+        """Whether this build multiplies int8 on vpdpbusd (the avx512_vnni level and up)."""
+        return self.level in ("avx512_vnni", "amx")
 
     @staticmethod
     def supports_weight(weight: torch.Tensor) -> bool:
@@ -381,12 +396,24 @@ def build_cpu_kernels(cache_dir: str | Path, compiler: str = "", isa: CpuIsa | N
     if level is None:
         log.warning("CPU without AVX2/FMA/F16C (or --cpu-isa none): using torch's matmul kernels")
         return None
-    flags = CFLAGS + LEVEL_CFLAGS[level]
+    kernels = load_kernels(cache_dir, compiler, level, LEVEL_CFLAGS[level])
+    if kernels is not None and kernels.amx_state > 0:
+        log.warning("Linux did not let Anna use the AMX tiles (errno %d): running the avx512_vnni level's kernels",
+                    kernels.amx_state)
+        return load_kernels(cache_dir, compiler, "avx512_vnni", LEVEL_CFLAGS["avx512_vnni"])
+    return kernels
+
+
+def load_kernels(cache_dir: str | Path, compiler: str, level: str, flags: list[str],
+                 name: str | None = None) -> CpuKernels | None:
+    """The kernels built with ``flags`` for ``level`` (compiled on first use, kept under
+    ``cache_dir``/kernels by ``name``, the level's by default, and a hash of sources and flags)."""
+    flags = CFLAGS + flags
     compiler = shutil.which(compiler or "cc") or shutil.which("gcc")
     sources = b"".join(p.read_bytes() for p in SOURCES + HEADERS)
     digest = hashlib.sha256(sources + " ".join(flags).encode()).hexdigest()[:16]
     out_dir = Path(cache_dir).expanduser() / "kernels"
-    library = out_dir / f"anna_cpu_kernels_{level}_{digest}.so"
+    library = out_dir / f"anna_cpu_kernels_{name or level}_{digest}.so"
     if not library.exists():
         if compiler is None:
             log.warning("No C compiler found: using torch's matmul kernels (install gcc for faster CPU decode)")

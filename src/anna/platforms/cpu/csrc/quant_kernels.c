@@ -27,6 +27,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "amx_tiles.h"
 #include "bf16.h"
 #include "vec_math.h"
 #include "work_split.h"
@@ -328,6 +329,105 @@ INLINE void lane_tile16(int TM, const uint8_t *w, long wstride, const uint16_t *
 }
 #endif
 
+#if ANNA_AMX
+#if !ANNA_VNNI
+#error "the AMX path is built on the avx512_vnni level's flags (kernels.py: LEVEL_CFLAGS)"
+#endif
+/* int4 on AMX int8 tiles (the amx level; amx_tiles.h). Per run of 32 input columns, one TDPBSUD
+ * multiplies 16 rows of x (tile A: x quantized to int8, signed) by a unit's 16 weight rows (tile
+ * B: the stored nibbles q = w + 8, unsigned), into 16 x 16 int32 sums (tile C). A unit's row
+ * lanes are already B's layout (4 consecutive columns of each row side by side): B's row l < 4 is
+ * vector l's low nibbles of both blocks of 8 rows, its row 4 + l their high nibbles. Each run has
+ * its own scales, so C is stored and scaled after every run (32 columns: half a tile's depth),
+ * starting from the run's xo and in lane_tile16's fp32 operations, so both paths give the same
+ * bits. The A tile reads 16 rows of x: qgemm_groups pads xq for the last, short tile. */
+#define AMX_ROWS 16       /* rows of x per tile; fewer rows of x run lane_tile16 */
+#define AMX_X_BLOCK 128   /* rows of x per pass over a thread's units (not measured on an AMX CPU yet) */
+#define AMX_RUN_BYTES 512 /* one run's B tile: 8 rows of 64 bytes */
+#define AMX_C 0           /* tile registers (numbers, not an enum: the instructions name them in their text) */
+#define AMX_A 1
+#define AMX_B 2
+
+static void amx_configure(void) {
+    amx_config cfg;
+    memset(&cfg, 0, sizeof(cfg));
+    cfg.palette = 1;
+    cfg.rows[AMX_C] = AMX_ROWS, cfg.colsb[AMX_C] = 64;  /* 16 x 16 int32 */
+    cfg.rows[AMX_A] = AMX_ROWS, cfg.colsb[AMX_A] = 32;  /* 16 rows of x x 32 int8 */
+    cfg.rows[AMX_B] = 8, cfg.colsb[AMX_B] = 64;         /* 8 groups of 4 columns x 16 weight rows x 4 */
+    AMX_LOAD_CONFIG(&cfg);
+}
+
+/* A unit's weights (two blocks of 8 rows, wstride bytes apart) as B tiles, [K / 32][8][64] */
+static void amx_unpack_unit(const uint8_t *w, long wstride, long K, uint8_t *tiles) {
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    for (long b = 0; b < K / 32; b++)
+        for (int l = 0; l < 4; l++) {
+            const uint8_t *p = w + b * 128 + l * 32;
+            __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)p)),
+                                           _mm256_loadu_si256((const __m256i *)(p + wstride)), 1);
+            _mm512_store_si512(tiles + b * AMX_RUN_BYTES + l * 64, _mm512_and_si512(v, low));
+            _mm512_store_si512(tiles + b * AMX_RUN_BYTES + (l + 4) * 64, _mm512_and_si512(_mm512_srli_epi16(v, 4), low));
+        }
+}
+
+/* TM (<= 16) rows of x times a unit whose B tiles are `tiles`: lane_tile16's result */
+INLINE void amx_tile16(int TM, const uint8_t *tiles, const uint16_t *gs, long gstride, const float *bias,
+                       const int8_t *xq, const float *xs, const int32_t *xo, long K, long G, float *y, long ystride) {
+    long blocks = K / 32;
+    int gshift = group_shift(G);
+    int32_t sums[AMX_ROWS][16] __attribute__((aligned(64)));
+    __m512 accf[AMX_ROWS];
+    for (int m = 0; m < TM; m++) accf[m] = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
+    for (long b = 0; b < blocks; b++) {
+        AMX_LOAD(AMX_B, tiles + b * AMX_RUN_BYTES, 64);
+        AMX_LOAD(AMX_A, xq + b * 32, K);
+        AMX_ZERO(AMX_C);
+        AMX_DPBSUD(AMX_C, AMX_A, AMX_B);
+        AMX_STORE(AMX_C, sums, 64);
+        const uint16_t *sp = gs + (b >> gshift) * LANE_ROWS;
+        __m512 scale = _mm512_cvtph_ps(_mm256_inserti128_si256(
+            _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)sp)), _mm_loadu_si128((const __m128i *)(sp + gstride)), 1));
+        for (int m = 0; m < TM; m++) {
+            int32_t start = (int32_t)(int16_t)(xo[m * blocks + b] & 0xFFFF) + (int32_t)(int16_t)(xo[m * blocks + b] >> 16);
+            __m512i acc = _mm512_add_epi32(_mm512_set1_epi32(start), _mm512_load_si512(sums[m]));
+            accf[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_mul_ps(scale, _mm512_set1_ps(xs[m * blocks + b])),
+                                      accf[m]);
+        }
+    }
+    for (int m = 0; m < TM; m++) _mm512_storeu_ps(y + m * ystride, accf[m]);
+}
+
+/* int4 on tiles: units [u0, u1) for all M rows of x; each unit's B tiles are unpacked once per
+ * AMX_X_BLOCK rows of x and serve all of them. */
+static void run_int4_amx(const int8_t *xq, const float *xs, const int32_t *xo, const uint8_t *w, const uint16_t *ws,
+                         const float *bias, float *y, long M, long N, long K, long G, long u0, long u1) {
+    long unit = 2 * LANE_ROWS, blocks = K / 32, wstride = LANE_ROWS * K / 2, gstride = LANE_ROWS * (K / G);
+    uint8_t *tiles = (uint8_t *)aligned_alloc(64, blocks * AMX_RUN_BYTES);
+    amx_configure();
+    for (long m0 = 0; m0 < M; m0 += AMX_X_BLOCK) {
+        long m1 = m0 + AMX_X_BLOCK < M ? m0 + AMX_X_BLOCK : M;
+        for (long u = u0; u < u1; u++) {
+            long n = u * unit;
+            const uint16_t *gp = ws + n * (K / G);
+            const float *bp = bias ? bias + n : NULL;
+            amx_unpack_unit(w + n * (K / 2), wstride, K, tiles);
+            for (long m = m0; m < m1; m += AMX_ROWS) {
+                const int8_t *mq = xq + m * K;
+                const float *ms = xs + m * blocks;
+                const int32_t *mo = xo + m * blocks;
+                if (m1 - m >= AMX_ROWS)
+                    amx_tile16(AMX_ROWS, tiles, gp, gstride, bp, mq, ms, mo, K, G, y + m * N + n, N);
+                else
+                    amx_tile16((int)(m1 - m), tiles, gp, gstride, bp, mq, ms, mo, K, G, y + m * N + n, N);
+            }
+        }
+    }
+    AMX_RELEASE();
+    free(tiles);
+}
+#endif
+
 /* int4: TW (1 or 2) blocks of 8 rows starting at row n, for rows [m0, m1) of x. */
 INLINE void run_lanes(int TW, const int8_t *xq, const float *xs, const int32_t *xo, const uint8_t *w, const uint16_t *ws,
                       const float *bias, float *y, long N, long K, long G, long n, long m0, long m1) {
@@ -366,6 +466,12 @@ INLINE void run_lanes(int TW, const int8_t *xq, const float *xs, const int32_t *
 static void run_int4(const int8_t *xq, const float *xs, const int32_t *xo, const uint8_t *w, const uint16_t *ws,
                      const float *bias, float *y, long M, long N, long K, long G, long u0, long u1, int odd) {
     long unit = 2 * LANE_ROWS;
+#if ANNA_AMX
+    if (M >= AMX_ROWS && u1 > u0) {  /* the units on tiles; the odd block of 8 rows below */
+        run_int4_amx(xq, xs, xo, w, ws, bias, y, M, N, K, G, u0, u1);
+        u0 = u1;
+    }
+#endif
     for (long m0 = 0; m0 < M; m0 += X_BLOCK) {
         long m1 = m0 + X_BLOCK < M ? m0 + X_BLOCK : M;
         for (long u = u0; u < u1; u++) run_lanes(2, xq, xs, xo, w, ws, bias, y, N, K, G, u * unit, m0, m1);
@@ -382,7 +488,9 @@ static void run_int4(const int8_t *xq, const float *xs, const int32_t *xo, const
 static void qgemm_groups(const float *x, const void *const *w, const void *const *ws, const float *const *bias,
                          const int64_t *starts, long groups, int kind, long G, float *y, long N, long K, int threads) {
     long M = starts[groups], blocks = K / 32;
-    int8_t *xq = (int8_t *)malloc(M * K);
+    /* (+ 16 rows: the AMX path's tiles read 16 rows of x where the last tile has fewer) */
+    int8_t *xq = (int8_t *)malloc((M + 16) * K);
+    memset(xq + M * K, 0, 16 * K);
     float *xs = (float *)malloc(sizeof(float) * M * blocks);
     int32_t *xo = (int32_t *)malloc(sizeof(int32_t) * M * blocks);
     long unit = kind == 0 ? PACK_ROWS : 2 * LANE_ROWS;  /* rows per unit of work */
@@ -507,4 +615,14 @@ void anna_dequant(const void *w, const void *ws, int kind, long G, const long *r
                 __builtin_memcpy((float *)out + i * K + k, run, sizeof(run));
         }
     }
+}
+
+/* -1 where this build has no AMX path; else 0 when Linux lets the process use the tiles (asked
+ * here; kernels.py asks once, at load), or the errno of the refusal. */
+int anna_amx_state(void) {
+#if ANNA_AMX
+    return amx_request();
+#else
+    return -1;
+#endif
 }
