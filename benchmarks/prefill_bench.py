@@ -4,7 +4,9 @@ measured in the same run: how much of the machine's matmul throughput a prefill 
     python benchmarks/prefill_bench.py --model benchmarks/models/qwen2.5-0.5b --prompt-tokens 2048
 
 Prefill: one --prompt-tokens prompt of distinct random ids (time to its first token, prefix caching
-off, the prompt in one step, or in the chunks --chunk says). Matmul ceiling: every linear layer of the loaded model except the
+off, the prompt in one step, or in steps of --chunk tokens: the step's token budget,
+max_num_batched_tokens, which is what splits a lone prompt; the scheduler's chunk size,
+long_prefill_token_threshold, applies only while other requests run beside it). Matmul ceiling: every linear layer of the loaded model except the
 lm_head (a prefill samples one position) as a torch matmul of --prompt-tokens rows on a row-major
 copy of its weight, timed in bf16 (bf16 activations: oneDNN's AVX512-BF16/AMX kernels where the
 CPU has them) and in fp32, the faster of the two per shape; the ceiling's tokens/s = prompt tokens
@@ -65,17 +67,15 @@ def main() -> None:
     ap.add_argument("--quantization", default="none", choices=["none", "int8", "int4"])
     ap.add_argument("--cpu-isa", default="auto", help="CPU kernel level (a lower one than the CPU's forces its path)")
     ap.add_argument("--chunk", type=int, default=0,
-                    help="Prompt tokens per step: 0 = the whole prompt in one step; -1 = the engine's own choice "
-                         "(long_prefill_token_threshold: calibrated on this host, else the profile's)")
+                    help="Prompt tokens per step (max_num_batched_tokens): 0 = the whole prompt in one step")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/prefill_bench.json"))
     args = ap.parse_args()
 
     m = args.prompt_tokens
-    chunking = {} if args.chunk < 0 else {"long_prefill_token_threshold": args.chunk or max(2048, m)}
     llm = LLM(args.model, dtype=args.dtype, device="cpu", enable_prefix_caching=False, quantization=args.quantization,
-              max_model_len=max(4096, m + 16), max_num_batched_tokens=max(2048, m), cpu_isa=args.cpu_isa,
-              inference_warmup=False, **chunking)
-    chunk = llm.llm_engine.settings.long_prefill_token_threshold
+              max_model_len=max(4096, m + 16), max_num_batched_tokens=args.chunk or max(2048, m), cpu_isa=args.cpu_isa,
+              inference_warmup=False)
+    chunk = llm.llm_engine.settings.max_num_batched_tokens
     shapes = linear_shapes(llm)
     gen = torch.Generator().manual_seed(0)
     vocab = llm.llm_engine.runner.model.config.vocab_size

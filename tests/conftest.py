@@ -171,7 +171,7 @@ def amx_kernels(build: str, cache_dir: Path):
         return kernels_at_level("amx", cache_dir)
     kernels_at_level("avx512_vnni", cache_dir)  # skips a CPU without it
     kernels = load_kernels(cache_dir, "", "amx", AMX_EMULATED_CFLAGS, name="amx_emulated")
-    assert kernels is not None and kernels.amx_state == 0
+    assert kernels is not None
     return kernels
 
 

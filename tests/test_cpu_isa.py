@@ -316,12 +316,12 @@ def test_int4_prefill_on_emulated_amx_tiles_stays_with_transformers(hf_models, c
     assert ((logits - fake).norm() / fake.norm()).item() < 0.02
 
 
-def test_the_amx_build_asks_linux_for_the_tiles_and_falls_back_when_refused(cache_dir, caplog):
-    """The amx build asks Linux for the tile data state when it loads (arch_prctl
+def test_the_amx_level_asks_linux_for_the_tiles_and_falls_back_when_refused(cache_dir, caplog):
+    """Before the amx build is built or loaded, Linux is asked for the tile data state (arch_prctl
     ARCH_REQ_XCOMP_PERM): an AMX CPU grants it and runs that build; elsewhere (a CPU said to have
     AMX that does not) the refusal is logged and the avx512_vnni build runs instead."""
     from anna.platforms.cpu.isa import CpuIsa
-    from anna.platforms.cpu.kernels import build_cpu_kernels
+    from anna.platforms.cpu.kernels import build_cpu_kernels, request_amx_tiles
 
     here = detect_isa()
     if not here.has("avx512_vnni"):
@@ -330,7 +330,7 @@ def test_the_amx_build_asks_linux_for_the_tiles_and_falls_back_when_refused(cach
     with caplog.at_level(logging.WARNING, logger="anna.platforms.cpu.kernels"):
         kernels = build_cpu_kernels(cache_dir, isa=CpuIsa(here.model_name, here.flags, "amx", "amx"))
     if here.has("amx"):
-        assert kernels.level == "amx" and kernels.amx_state == 0
+        assert request_amx_tiles() == 0 and kernels.level == "amx"
     else:
-        assert kernels.level == "avx512_vnni" and kernels.amx_state == -1
-        assert "did not let Anna use the AMX tiles" in caplog.text
+        assert request_amx_tiles() > 0 and kernels.level == "avx512_vnni"
+        assert "Linux did not let Anna use the AMX tiles" in caplog.text

@@ -116,10 +116,6 @@ class CpuKernels:
         self.level = level  # the kernel level it was built for (LEVEL_CFLAGS)
         self.build_id = library.stem  # the level and the hash of the sources and flags
         lib = ctypes.CDLL(str(library))
-        lib.anna_amx_state.restype = ctypes.c_int
-        # -1: a build without the AMX path; else 0 once Linux has let this process use the tiles
-        # (asked here, before any tile instruction runs), or the errno of its refusal
-        self.amx_state = lib.anna_amx_state()
         p, i, l, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
         lib.anna_gemv.argtypes = [p, p, i, p, p, i, l, l, i, i]
         lib.anna_gemv_experts.argtypes = [p, p, p, p, l, i, p, l, l, i, i]
@@ -396,12 +392,25 @@ def build_cpu_kernels(cache_dir: str | Path, compiler: str = "", isa: CpuIsa | N
     if level is None:
         log.warning("CPU without AVX2/FMA/F16C (or --cpu-isa none): using torch's matmul kernels")
         return None
-    kernels = load_kernels(cache_dir, compiler, level, LEVEL_CFLAGS[level])
-    if kernels is not None and kernels.amx_state > 0:
-        log.warning("Linux did not let Anna use the AMX tiles (errno %d): running the avx512_vnni level's kernels",
-                    kernels.amx_state)
-        return load_kernels(cache_dir, compiler, "avx512_vnni", LEVEL_CFLAGS["avx512_vnni"])
-    return kernels
+    if level == "amx" and (refused := request_amx_tiles()):
+        log.warning("Linux did not let Anna use the AMX tiles (%s): running the avx512_vnni level's kernels",
+                    os.strerror(refused))
+        level = "avx512_vnni"
+    return load_kernels(cache_dir, compiler, level, LEVEL_CFLAGS[level])
+
+
+# Linux (5.16 on) enables AMX's tile data per process on request, arch_prctl(ARCH_REQ_XCOMP_PERM,
+# XFEATURE_XTILEDATA); a tile instruction before that raises SIGILL. x86-64 numbers.
+SYS_ARCH_PRCTL, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA = 158, 0x1023, 18
+
+
+def request_amx_tiles() -> int:
+    """Ask Linux to let this process (all its threads) use the AMX tiles: 0 when granted, else
+    the errno (EOPNOTSUPP on a CPU without them)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.syscall(SYS_ARCH_PRCTL, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0:
+        return 0
+    return ctypes.get_errno() or -1
 
 
 def load_kernels(cache_dir: str | Path, compiler: str, level: str, flags: list[str],

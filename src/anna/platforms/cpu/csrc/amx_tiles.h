@@ -9,7 +9,7 @@
  *
  * Tiles are thread state: each thread loads the configuration before its first tile operation
  * and releases the tiles when done. Linux also wants the process to ask for the tile data state
- * once before any thread uses it (anna_amx_request). */
+ * once before any thread uses it: kernels.py asks before it builds or loads the amx level. */
 #ifndef ANNA_AMX_TILES_H
 #define ANNA_AMX_TILES_H
 
@@ -82,14 +82,9 @@ static inline void amx_emulated_dpbsud(int dst, int a, int b) {
 #define AMX_DPBSUD(dst, a, b) amx_emulated_dpbsud(dst, a, b)
 #define AMX_RELEASE() ((void)0)
 
-static inline int amx_request(void) { return 0; }
-
 #else  /* the instructions */
 
-#include <errno.h>
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #define AMX_LOAD_CONFIG(cfg) _tile_loadconfig(cfg)
 #define AMX_LOAD(t, base, stride) _tile_loadd(t, base, stride)
@@ -97,15 +92,6 @@ static inline int amx_request(void) { return 0; }
 #define AMX_ZERO(t) _tile_zero(t)
 #define AMX_DPBSUD(dst, a, b) _tile_dpbsud(dst, a, b)
 #define AMX_RELEASE() _tile_release()
-
-/* Linux (5.16 on) enables the tile data state per process on request (arch_prctl
- * ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA); a tile instruction before that raises SIGILL.
- * 0 when granted, else the errno. */
-#define ANNA_ARCH_REQ_XCOMP_PERM 0x1023
-#define ANNA_XFEATURE_XTILEDATA 18
-static inline int amx_request(void) {
-    return syscall(SYS_arch_prctl, ANNA_ARCH_REQ_XCOMP_PERM, ANNA_XFEATURE_XTILEDATA) == 0 ? 0 : errno;
-}
 
 #endif
 #endif

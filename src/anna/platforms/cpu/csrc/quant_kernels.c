@@ -616,13 +616,3 @@ void anna_dequant(const void *w, const void *ws, int kind, long G, const long *r
         }
     }
 }
-
-/* -1 where this build has no AMX path; else 0 when Linux lets the process use the tiles (asked
- * here; kernels.py asks once, at load), or the errno of the refusal. */
-int anna_amx_state(void) {
-#if ANNA_AMX
-    return amx_request();
-#else
-    return -1;
-#endif
-}
