@@ -13,6 +13,12 @@ come from memory as in a real step. The caches are on huge pages, as the engine 
 --repeats steps per context. --kv-cache-dtypes: caches stored in each of these formats
 (model/kv_format.py), timed alternately step by step in the same run. --baseline-kernels: another
 build of the kernels (an earlier commit's), alternated with this tree's on the same caches.
+
+    python benchmarks/attention_bench.py --prefill --contexts 512 2048
+
+--prefill: a prompt's causal attention over itself instead (one layer, --contexts tokens): Anna's
+kernel (csrc/prefill_attention.c, fp32) against torch's SDPA in fp32 and in bf16, alternated,
+best of --repeats, in ms per layer and GFLOPS.
 """
 
 from __future__ import annotations
@@ -49,6 +55,32 @@ def step_ms(kernels, caches: list[PagedKV], tables: torch.Tensor, q: torch.Tenso
     return (time.perf_counter() - t0) * 1e3
 
 
+def prefill_rows(kernels, contexts: list[int], heads: int, kv_heads: int, dim: int, repeats: int) -> list[dict]:
+    import torch.nn.functional as F
+
+    def sdpa(dtype: torch.dtype):
+        def run(q, k, v):
+            return F.scaled_dot_product_attention(*(t.transpose(0, 1)[None].to(dtype) for t in (q, k, v)),
+                                                  is_causal=True, enable_gqa=True, scale=dim ** -0.5)
+        return run
+
+    paths = {"anna_fp32": lambda q, k, v: kernels.causal_attention(q, k, v, dim ** -0.5),
+             "torch_sdpa_fp32": sdpa(torch.float32), "torch_sdpa_bf16": sdpa(torch.bfloat16)}
+    rows = []
+    for tokens in contexts:
+        q, k, v = (torch.randn(tokens, n, dim) for n in (heads, kv_heads, kv_heads))
+        times: dict[str, list[float]] = {name: [] for name in paths}
+        for _ in range(repeats):
+            for name, run in paths.items():
+                t0 = time.perf_counter()
+                run(q, k, v)
+                times[name].append((time.perf_counter() - t0) * 1e3)
+        gflop = 2 * 2 * tokens * (tokens + 1) / 2 * heads * dim / 1e9
+        rows.append({"tokens": tokens, **{f"{name}_ms": round(min(t), 2) for name, t in times.items()},
+                     **{f"{name}_gflops": round(gflop / min(t) * 1e3, 1) for name, t in times.items()}})
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--contexts", type=int, nargs="+", default=[128, 1024])
@@ -70,10 +102,15 @@ def main() -> None:
     ap.add_argument("--baseline-kernels", type=Path,
                     help="a kernel library built from other sources (e.g. an earlier commit's, from its "
                          "--cache-dir's kernels/ folder), timed alternately with this tree's on the same caches")
+    ap.add_argument("--prefill", action="store_true", help="a prompt's causal attention instead (see above)")
     args = ap.parse_args()
     kernels = build_cpu_kernels(args.cache_dir)
     if kernels is None:
         raise SystemExit("Anna's CPU kernels could not be built on this machine")
+    if args.prefill:
+        print(json.dumps(prefill_rows(kernels, args.contexts, args.heads, args.kv_heads, args.head_dim,
+                                      args.repeats), indent=1))
+        return
     builds = {"ms_per_step": kernels}
     if args.baseline_kernels:
         builds["baseline_ms_per_step"] = CpuKernels(args.baseline_kernels, kernels.level)

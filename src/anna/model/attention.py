@@ -152,7 +152,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: Pa
         out[:nd] = ops.decode_attention(q[:nd], cache, meta, scale, sliding_window)
     for chunk in meta.prefills:
         sl = slice(chunk.query_start, chunk.query_start + chunk.query_len)
-        out[sl] = _prefill_attention(q[sl], k[sl], v[sl], cache, chunk, meta.block_size, scale, compute_dtype)
+        if chunk.mask is None and cache.format.stores_exactly(k.dtype):  # no cached prefix: over itself
+            out[sl] = ops.causal_attention(q[sl], k[sl], v[sl], scale)
+        else:
+            out[sl] = _prefill_attention(q[sl], cache, chunk, meta.block_size, scale, compute_dtype)
     return out
 
 
@@ -175,17 +178,14 @@ def torch_decode_attention(q: torch.Tensor, cache: PagedKV, meta: AttentionMetad
     return out.reshape(nd, num_heads, head_dim).to(q.dtype)
 
 
-def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: PagedKV, chunk: PrefillChunk,
-                       block_size: int, scale: float, dtype: torch.dtype) -> torch.Tensor:
-    """A prefill chunk's attention over its context. Where the cache does not keep rows exactly
-    (a quantized or narrower format), the chunk's own rows are read back from it too, so that a
-    prompt attends to the same values however it was split into chunks or found cached."""
-    if chunk.mask is None and cache.format.stores_exactly(k.dtype):
-        keys, values = k, v  # no cached prefix: plain causal attention over the chunk itself
-    else:
-        table = chunk.block_table[:-(-chunk.context_len // block_size)]
-        keys = cache.format.decode(gather_blocks(cache[0], table)[:chunk.context_len], dtype)
-        values = cache.format.decode(gather_blocks(cache[1], table)[:chunk.context_len], dtype)
+def _prefill_attention(q: torch.Tensor, cache: PagedKV, chunk: PrefillChunk, block_size: int, scale: float,
+                       dtype: torch.dtype) -> torch.Tensor:
+    """A prefill chunk's attention over its context as the cache holds it (a cached prefix, or
+    a format that does not keep rows exactly: the chunk's own rows are read back from it too, so
+    that a prompt attends to the same values however it was split into chunks or found cached)."""
+    table = chunk.block_table[:-(-chunk.context_len // block_size)]
+    keys = cache.format.decode(gather_blocks(cache[0], table)[:chunk.context_len], dtype)
+    values = cache.format.decode(gather_blocks(cache[1], table)[:chunk.context_len], dtype)
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1).unsqueeze(0).to(dtype), keys.transpose(0, 1).unsqueeze(0).to(dtype),
         values.transpose(0, 1).unsqueeze(0).to(dtype), attn_mask=chunk.mask, is_causal=chunk.mask is None,

@@ -144,6 +144,15 @@ class ModelOps:
 
         write_kv(cache, k, v, slots)
 
+    def causal_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        """A prompt chunk's causal attention over itself alone (no cached prefix): q [T, H, D],
+        k, v [T, KV, D] -> [T, H, D], in attention_dtype."""
+        dtype = self.attention_dtype or q.dtype
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1).unsqueeze(0).to(dtype), k.transpose(0, 1).unsqueeze(0).to(dtype),
+            v.transpose(0, 1).unsqueeze(0).to(dtype), is_causal=True, scale=scale, enable_gqa=True)
+        return out.squeeze(0).transpose(0, 1).to(q.dtype)
+
     def decode_attention(self, q: torch.Tensor, cache: "PagedKV", meta: "AttentionMetadata", scale: float,
                          sliding_window: int | None) -> torch.Tensor:
         from anna.model.attention import torch_decode_attention

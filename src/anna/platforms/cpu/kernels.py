@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 KERNEL_DIR = Path(__file__).parent / "csrc"
 # decode_attention.c first: it takes most of the build, so it starts before the others
 SOURCES = [KERNEL_DIR / name for name in ("decode_attention.c", "cpu_kernels.c", "quant_kernels.c", "decode_layers.c",
-                                          "gated_delta.c", "decode_hybrid.c", "kv_cache.c")]
+                                          "gated_delta.c", "decode_hybrid.c", "kv_cache.c", "prefill_attention.c")]
 HEADERS = [KERNEL_DIR / name for name in ("work_split.h", "decode_common.h", "bf16.h", "kv_format.h", "vec_math.h",
                                           "amx_tiles.h")]
 CFLAGS = ["-O3", "-fopenmp", "-fPIC"]
@@ -126,6 +126,7 @@ class CpuKernels:
         lib.anna_silu_mul.argtypes = [p, p, l, l, i, i]
         lib.anna_paged_decode_attention.argtypes = [p, p, p, p, p, l, p, l, l, l, l, l, l, f, p, i]
         lib.anna_kv_write.argtypes = [p, p, l, l, l, p, p, l]
+        lib.anna_causal_attention.argtypes = [p, p, p, p, l, l, l, l, f, i]
         lib.anna_qgemm.argtypes = [p, p, p, i, l, p, p, l, l, l, i]
         lib.anna_qgemm_experts.argtypes = [p, p, p, p, p, l, i, l, p, l, l, i]
         lib.anna_dequant.argtypes = [p, p, i, l, p, l, l, l, p, i, i]
@@ -138,7 +139,7 @@ class CpuKernels:
         lib.anna_gated_delta_decode.argtypes = [p, p, p, p, p, p, p, p, p, i, f, l, l, l, l, l, p, i]
         for fn in (lib.anna_conv_step, lib.anna_gated_delta_decode, lib.anna_decode_hybrid_layers, lib.anna_gemv, lib.anna_gemv_experts, lib.anna_deinterleave_rows, lib.anna_deinterleave_rows16, lib.anna_add_rmsnorm, lib.anna_rotary, lib.anna_silu_mul,
                    lib.anna_paged_decode_attention, lib.anna_qgemm, lib.anna_qgemm_experts, lib.anna_dequant,
-                   lib.anna_decode_layers, lib.anna_argmax_rows, lib.anna_kv_write):
+                   lib.anna_decode_layers, lib.anna_argmax_rows, lib.anna_kv_write, lib.anna_causal_attention):
             fn.restype = None
         self.lib = lib
         self._scratch: dict[torch.dtype, torch.Tensor] = {}  # per dtype; see _matmul_operand
@@ -350,6 +351,16 @@ class CpuKernels:
             q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), ctypes.byref(kv_format_descriptor(fmt)),
             tables.data_ptr(), tables.shape[1], context_lens.data_ptr(), seqs, heads, kv_heads, dim, block_size,
             window or 0, scale, out.data_ptr(), torch.get_num_threads())
+        return out
+
+    def causal_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        """Causal attention of T positions over themselves (csrc/prefill_attention.c): q [T, H, D],
+        k, v [T, KV, D] -> fp32 [T, H, D]; D a multiple of 8."""
+        q, k, v = (t.float().contiguous() for t in (q, k, v))
+        tokens, heads, dim = q.shape
+        out = torch.empty_like(q)
+        self.lib.anna_causal_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), tokens, heads,
+                                       k.shape[1], dim, scale, torch.get_num_threads())
         return out
 
     def kv_write(self, fmt: KVFormat, rows: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> None:

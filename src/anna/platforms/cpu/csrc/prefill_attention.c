@@ -1,0 +1,164 @@
+/* Causal self-attention of a prompt chunk over itself (no cached prefix before it), fp32:
+ * out[T, H, D] = softmax(q k^T * scale, causal) v, with q [T, H, D] and k, v [T, KV, D], each
+ * query head h reading KV head h / (H / KV) (grouped-query attention).
+ *
+ * Flash-attention's order of work: a work item is BQ positions of one KV head with all the G =
+ * H / KV query heads that share it (BQ * G rows of q that read the same keys and values), and
+ * walks the keys up to its last position in blocks of BK, keeping each row's running maximum,
+ * sum and output (online softmax), so that no T x T score matrix exists. K is transposed once per
+ * call ([KV][D][T], zero-padded to whole blocks), so that a block's scores are vector FMAs over
+ * 16 keys at a time for 4 rows of q at once. Work items go to threads longest first (causal rows
+ * differ in length). torch's SDPA on CPU ran this at 50-100 GFLOPS on a 2-core Zen 4
+ * (benchmarks/attention_bench.py --prefill).
+ *
+ * The scores and the exponentials are fp32 (exp8: ~2e-7 relative), so the result differs from an
+ * exact softmax by rounding only. */
+#include <immintrin.h>
+#include <math.h>
+#include <omp.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "vec_math.h"
+
+#define BQ 8   /* positions per work item */
+#define BK 64  /* keys per block */
+#define ROWS_PER_TILE 4
+#define KEYS_PER_TILE 16
+
+static long min_l(long a, long b) { return a < b ? a : b; }
+
+/* S[r][0..16) = q_r . kb[:, 0..16) for rows [r0, r0 + n) (n <= 4); kb: 16 keys' columns of a
+ * transposed block, rows BK floats apart */
+INLINE void score_tile(int n, const float *const *qr, const float *kb, long D, float *S, long r0) {
+    __m256 acc[ROWS_PER_TILE][2];
+    for (int i = 0; i < ROWS_PER_TILE; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+    for (long d = 0; d < D; d++) {
+        const float *kp = kb + d * BK;
+        __m256 k0 = _mm256_loadu_ps(kp), k1 = _mm256_loadu_ps(kp + 8);
+        for (int i = 0; i < n; i++) {
+            __m256 b = _mm256_broadcast_ss(qr[i] + d);
+            acc[i][0] = _mm256_fmadd_ps(b, k0, acc[i][0]);
+            acc[i][1] = _mm256_fmadd_ps(b, k1, acc[i][1]);
+        }
+    }
+    for (int i = 0; i < n; i++) {
+        _mm256_storeu_ps(S + (r0 + i) * BK, acc[i][0]);
+        _mm256_storeu_ps(S + (r0 + i) * BK + 8, acc[i][1]);
+    }
+}
+
+/* o[0..8W) += sum over c < n of p[c] * v rows c (v_stride floats apart); W vectors in registers */
+INLINE void add_weighted_cols(int W, float *o, const float *p, int n, const float *v, long v_stride) {
+    __m256 acc[8];
+    for (int j = 0; j < W; j++) acc[j] = _mm256_loadu_ps(o + 8 * j);
+    for (int c = 0; c < n; c++) {
+        __m256 b = _mm256_broadcast_ss(p + c);
+        const float *vr = v + c * v_stride;
+        for (int j = 0; j < W; j++) acc[j] = _mm256_fmadd_ps(b, _mm256_loadu_ps(vr + 8 * j), acc[j]);
+    }
+    for (int j = 0; j < W; j++) _mm256_storeu_ps(o + 8 * j, acc[j]);
+}
+
+/* o[0..D) += sum over c < n of p[c] * v rows c, 64 columns at a time */
+static void add_weighted_rows(float *o, const float *p, int n, const float *v, long v_stride, long D) {
+    long d0 = 0;
+    for (; d0 + 64 <= D; d0 += 64) add_weighted_cols(8, o + d0, p, n, v + d0, v_stride);
+    for (; d0 < D; d0 += 8) add_weighted_cols(1, o + d0, p, n, v + d0, v_stride);
+}
+
+/* D: a multiple of 8 (kernels.py routes other head sizes to torch) */
+void anna_causal_attention(const float *q, const float *k, const float *v, float *out, long T, long H, long KV,
+                           long D, float scale, int threads) {
+    long G = H / KV, nqb = (T + BQ - 1) / BQ, nkb = (T + BK - 1) / BK, Tp = nkb * BK;
+    /* K per head in transposed blocks, [KV][T / BK][D][BK] (zero-padded): a block is one
+     * contiguous 16 KB at D = 64 (rows of a whole-T transpose, a power of two apart, would fall
+     * in the same cache sets); V per head, [KV][T][D] */
+    float *kt = (float *)aligned_alloc(64, sizeof(float) * KV * D * Tp);
+    float *vh = (float *)aligned_alloc(64, sizeof(float) * KV * D * Tp);
+    #pragma omp parallel num_threads(threads)
+    {
+        #pragma omp for collapse(2) schedule(static)
+        for (long g = 0; g < KV; g++)
+            for (long b = 0; b < nkb; b++) {
+                float *dst = kt + (g * nkb + b) * D * BK;
+                for (long c = 0; c < BK; c++) {
+                    long t = b * BK + c;
+                    for (long d = 0; d < D; d++) dst[d * BK + c] = t < T ? k[(t * KV + g) * D + d] : 0.0f;
+                    if (t < T) memcpy(vh + (g * Tp + t) * D, v + (t * KV + g) * D, sizeof(float) * D);
+                }
+            }
+        long max_rows = BQ * G;
+        float *S = (float *)aligned_alloc(64, sizeof(float) * max_rows * BK);
+        float *O = (float *)aligned_alloc(64, sizeof(float) * max_rows * D);
+        float *row_max = (float *)malloc(sizeof(float) * max_rows), *row_sum = (float *)malloc(sizeof(float) * max_rows);
+        const float **qr = (const float **)malloc(sizeof(float *) * (max_rows + ROWS_PER_TILE));
+        #pragma omp for schedule(dynamic, 1)
+        for (long item = 0; item < KV * nqb; item++) {
+            long qb = nqb - 1 - item / KV, g = item % KV;  /* the longest rows first */
+            long p0 = qb * BQ, np = min_l(BQ, T - p0), rows = np * G, end = p0 + np;
+            /* row r: position p0 + r / G, head g * G + r % G */
+            for (long r = 0; r < rows; r++) {
+                qr[r] = q + ((p0 + r / G) * H + g * G + r % G) * D;
+                row_max[r] = -INFINITY;
+                row_sum[r] = 0.0f;
+            }
+            for (long r = rows; r < rows + ROWS_PER_TILE; r++) qr[r] = qr[rows - 1];
+            memset(O, 0, sizeof(float) * rows * D);
+            for (long c0 = 0; c0 < end; c0 += BK) {
+                long cols = min_l(BK, end - c0);
+                long tiles = (cols + KEYS_PER_TILE - 1) / KEYS_PER_TILE;
+                const float *kb = kt + (g * nkb + c0 / BK) * D * BK;
+                for (long r0 = 0; r0 < rows; r0 += ROWS_PER_TILE) {
+                    int n = (int)min_l(ROWS_PER_TILE, rows - r0);
+                    for (long t = 0; t < tiles; t++) {
+                        if (n == ROWS_PER_TILE)
+                            score_tile(ROWS_PER_TILE, qr + r0, kb + t * KEYS_PER_TILE, D, S + t * KEYS_PER_TILE, r0);
+                        else
+                            score_tile(n, qr + r0, kb + t * KEYS_PER_TILE, D, S + t * KEYS_PER_TILE, r0);
+                    }
+                }
+                long width = tiles * KEYS_PER_TILE;
+                for (long r = 0; r < rows; r++) {
+                    long valid = min_l(cols, p0 + r / G - c0 + 1);  /* keys c0 .. this row's position */
+                    if (valid <= 0) continue;
+                    float *s = S + r * BK;
+                    for (long c = valid; c < width; c++) s[c] = -INFINITY;
+                    __m256 mx = _mm256_set1_ps(-INFINITY), sc = _mm256_set1_ps(scale);
+                    for (long c = 0; c < width; c += 8) {
+                        __m256 x = _mm256_mul_ps(_mm256_loadu_ps(s + c), sc);
+                        _mm256_storeu_ps(s + c, x);
+                        mx = _mm256_max_ps(mx, x);
+                    }
+                    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+                    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+                    float block_max = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+                    float new_max = block_max > row_max[r] ? block_max : row_max[r];
+                    float alpha = expf(row_max[r] - new_max);  /* 0 at the first block (-inf) */
+                    __m256 nm = _mm256_set1_ps(new_max), sum = _mm256_setzero_ps();
+                    for (long c = 0; c < width; c += 8)
+                        _mm256_storeu_ps(s + c, exp8(_mm256_sub_ps(_mm256_loadu_ps(s + c), nm)));
+                    for (long c = valid; c < width; c++) s[c] = 0.0f;  /* (exp8 clamps -inf to ~1e-38) */
+                    for (long c = 0; c < width; c += 8) sum = _mm256_add_ps(sum, _mm256_loadu_ps(s + c));
+                    row_sum[r] = row_sum[r] * alpha + hsum(sum);
+                    row_max[r] = new_max;
+                    float *o = O + r * D;
+                    if (alpha != 1.0f)
+                        for (long d = 0; d < D; d++) o[d] *= alpha;
+                    add_weighted_rows(o, s, (int)valid, vh + (g * Tp + c0) * D, D, D);
+                }
+            }
+            for (long r = 0; r < rows; r++) {
+                float inv = 1.0f / row_sum[r], *dst = out + ((p0 + r / G) * H + g * G + r % G) * D;
+                for (long d = 0; d < D; d++) dst[d] = O[r * D + d] * inv;
+            }
+        }
+        free(S);
+        free(O);
+        free(row_max);
+        free(row_sum);
+        free(qr);
+    }
+    free(kt);
+    free(vh);
+}
