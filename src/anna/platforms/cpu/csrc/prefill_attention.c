@@ -8,8 +8,8 @@
  * sum and output (online softmax), so that no T x T score matrix exists. K is transposed once per
  * call ([KV][D][T], zero-padded to whole blocks), so that a block's scores are vector FMAs over
  * 16 keys at a time for 4 rows of q at once. Work items go to threads longest first (causal rows
- * differ in length). torch's SDPA on CPU ran this at 50-100 GFLOPS on a 2-core Zen 4
- * (benchmarks/attention_bench.py --prefill).
+ * differ in length). On a 2-core Zen 4 this ran 130-143 GFLOPS at 512-2,048 tokens, torch's SDPA
+ * 59-120 in fp32 or bf16 (benchmarks/attention_bench.py --prefill).
  *
  * The scores and the exponentials are fp32 (exp8: ~2e-7 relative), so the result differs from an
  * exact softmax by rounding only. */
