@@ -200,26 +200,38 @@ def test_paged_decode_attention_matches_torch(kernels, window):
         torch.testing.assert_close(got[i], torch.einsum("hl,lhd->hd", weights, v), rtol=1e-4, atol=1e-5)
 
 
+def _exact_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """float64 attention of q [Tq, H, D], the last Tq of the Tk positions of k, v [Tk, KV, D]."""
+    tq, heads, dim = q.shape
+    tk, kv_heads, _ = k.shape
+    qd, kd, vd = (t.double().transpose(0, 1) for t in (q, k, v))
+    kd, vd = (t.repeat_interleave(heads // kv_heads, dim=0) for t in (kd, vd))
+    scores = (qd @ kd.transpose(1, 2)) * dim ** -0.5
+    scores.masked_fill_(torch.ones(tq, tk, dtype=torch.bool).triu(tk - tq + 1), float("-inf"))
+    return (torch.softmax(scores, dim=-1) @ vd).transpose(0, 1)
+
+
 @pytest.mark.parametrize("heads, kv_heads, dim", [(14, 2, 64), (4, 4, 128), (6, 3, 72), (2, 1, 8)])
 def test_causal_prefill_attention_matches_torch_at_every_length(kernels, heads, kv_heads, dim):
     """A prompt's causal attention over itself against an exact softmax in float64, no further
     from it than torch's fp32 SDPA (twice its largest error + 2e-5, at most): every length 1..130 (work
     items of 8 positions, key blocks of 64, a last block cut at the diagonal) and 300; grouped and
     plain heads; head sizes that are whole 64-column passes, a 64 + 8 one and a single vector.
-    Large scores (x 4) make the running maximum move between key blocks."""
+    Large scores (x 4) make the running maximum move between key blocks. Then chunks after a
+    cached prefix (the last Tq of Tk positions), the same way."""
     g = torch.Generator().manual_seed(4)
-    for tokens in [*range(1, 131), 300]:
-        q, k, v = (torch.randn(tokens, n, dim, generator=g) * 4 for n in (heads, kv_heads, kv_heads))
+    cases = [(t, t) for t in [*range(1, 131), 300]] + [(tq, tk) for tk in (9, 64, 65, 200) for tq in (1, 7, 8, 9, 64)
+                                                        if tq < tk]
+    for tokens, context in cases:
+        q = torch.randn(tokens, heads, dim, generator=g) * 4
+        k, v = (torch.randn(context, kv_heads, dim, generator=g) * 4 for _ in range(2))
         got = kernels.causal_attention(q, k, v, dim ** -0.5)
-        sdpa = F.scaled_dot_product_attention(*(t.transpose(0, 1)[None] for t in (q, k, v)), is_causal=True,
+        mask = torch.ones(tokens, context, dtype=torch.bool).tril(context - tokens)
+        sdpa = F.scaled_dot_product_attention(*(t.transpose(0, 1)[None] for t in (q, k, v)), attn_mask=mask,
                                               enable_gqa=True)[0].transpose(0, 1)
-        qd, kd, vd = (t.double().transpose(0, 1) for t in (q, k, v))
-        kd, vd = (t.repeat_interleave(heads // kv_heads, dim=0) for t in (kd, vd))
-        scores = (qd @ kd.transpose(1, 2)) * dim ** -0.5
-        scores.masked_fill_(torch.ones(tokens, tokens, dtype=torch.bool).triu(1), float("-inf"))
-        want = (torch.softmax(scores, dim=-1) @ vd).transpose(0, 1)
+        want = _exact_causal_attention(q, k, v)
         error, torch_error = ((t.double() - want).abs().max().item() for t in (got, sdpa))
-        assert error <= 2 * torch_error + 2e-5, (tokens, error, torch_error)
+        assert error <= 2 * torch_error + 2e-5, (tokens, context, error, torch_error)
 
 
 @pytest.mark.parametrize("norm_dtype", [torch.float32, torch.bfloat16])

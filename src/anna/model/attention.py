@@ -154,6 +154,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: Pa
         sl = slice(chunk.query_start, chunk.query_start + chunk.query_len)
         if chunk.mask is None and cache.format.stores_exactly(k.dtype):  # no cached prefix: over itself
             out[sl] = ops.causal_attention(q[sl], k[sl], v[sl], scale)
+        elif sliding_window is None or chunk.context_len <= sliding_window:  # causal over the cached context
+            keys, values = _cached_context(cache, chunk, meta.block_size, q.dtype)
+            out[sl] = ops.causal_attention(q[sl], keys, values, scale, chunk.mask)
         else:
             out[sl] = _prefill_attention(q[sl], cache, chunk, meta.block_size, scale, compute_dtype)
     return out
@@ -178,14 +181,20 @@ def torch_decode_attention(q: torch.Tensor, cache: PagedKV, meta: AttentionMetad
     return out.reshape(nd, num_heads, head_dim).to(q.dtype)
 
 
+def _cached_context(cache: PagedKV, chunk: PrefillChunk, block_size: int,
+                    dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """A prefill chunk's context as the cache holds it, keys and values [context_len, KV, D]: a
+    cached prefix, or, in a format that does not keep rows exactly, the chunk's own rows read back
+    too, so that a prompt attends to the same values however it was split into chunks or found
+    cached."""
+    table = chunk.block_table[:-(-chunk.context_len // block_size)]
+    return tuple(cache.format.decode(gather_blocks(c, table)[:chunk.context_len], dtype) for c in cache)
+
+
 def _prefill_attention(q: torch.Tensor, cache: PagedKV, chunk: PrefillChunk, block_size: int, scale: float,
                        dtype: torch.dtype) -> torch.Tensor:
-    """A prefill chunk's attention over its context as the cache holds it (a cached prefix, or
-    a format that does not keep rows exactly: the chunk's own rows are read back from it too, so
-    that a prompt attends to the same values however it was split into chunks or found cached)."""
-    table = chunk.block_table[:-(-chunk.context_len // block_size)]
-    keys = cache.format.decode(gather_blocks(cache[0], table)[:chunk.context_len], dtype)
-    values = cache.format.decode(gather_blocks(cache[1], table)[:chunk.context_len], dtype)
+    """A prefill chunk's attention over its cached context through its mask (a sliding window)."""
+    keys, values = _cached_context(cache, chunk, block_size, dtype)
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1).unsqueeze(0).to(dtype), keys.transpose(0, 1).unsqueeze(0).to(dtype),
         values.transpose(0, 1).unsqueeze(0).to(dtype), attn_mask=chunk.mask, is_causal=chunk.mask is None,

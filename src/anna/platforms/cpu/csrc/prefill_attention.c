@@ -1,6 +1,8 @@
-/* Causal self-attention of a prompt chunk over itself (no cached prefix before it), fp32:
- * out[T, H, D] = softmax(q k^T * scale, causal) v, with q [T, H, D] and k, v [T, KV, D], each
- * query head h reading KV head h / (H / KV) (grouped-query attention).
+/* Causal attention of a prompt chunk over its context, fp32: out[Tq, H, D] = softmax(q k^T *
+ * scale, causal) v, with q [Tq, H, D] the last Tq of the Tk positions whose keys and values are
+ * k, v [Tk, KV, D] (Tq = Tk: a prompt over itself; Tq < Tk: a chunk after a cached prefix), query
+ * i seeing keys 0 .. Tk - Tq + i; each query head h reads KV head h / (H / KV) (grouped-query
+ * attention).
  *
  * Flash-attention's order of work: a work item is BQ positions of one KV head with all the G =
  * H / KV query heads that share it (BQ * G rows of q that read the same keys and values), and
@@ -68,9 +70,9 @@ static void add_weighted_rows(float *o, const float *p, int n, const float *v, l
 }
 
 /* D: a multiple of 8 (kernels.py routes other head sizes to torch) */
-void anna_causal_attention(const float *q, const float *k, const float *v, float *out, long T, long H, long KV,
-                           long D, float scale, int threads) {
-    long G = H / KV, nqb = (T + BQ - 1) / BQ, nkb = (T + BK - 1) / BK, Tp = nkb * BK;
+void anna_causal_attention(const float *q, const float *k, const float *v, float *out, long Tq, long T, long H,
+                           long KV, long D, float scale, int threads) {
+    long G = H / KV, nqb = (Tq + BQ - 1) / BQ, nkb = (T + BK - 1) / BK, Tp = nkb * BK, offset = T - Tq;
     /* K per head in transposed blocks, [KV][T / BK][D][BK] (zero-padded): a block is one
      * contiguous 16 KB at D = 64 (rows of a whole-T transpose, a power of two apart, would fall
      * in the same cache sets); V per head, [KV][T][D] */
@@ -96,8 +98,8 @@ void anna_causal_attention(const float *q, const float *k, const float *v, float
         #pragma omp for schedule(dynamic, 1)
         for (long item = 0; item < KV * nqb; item++) {
             long qb = nqb - 1 - item / KV, g = item % KV;  /* the longest rows first */
-            long p0 = qb * BQ, np = min_l(BQ, T - p0), rows = np * G, end = p0 + np;
-            /* row r: position p0 + r / G, head g * G + r % G */
+            long p0 = qb * BQ, np = min_l(BQ, Tq - p0), rows = np * G, end = offset + p0 + np;
+            /* row r: query p0 + r / G (position offset + p0 + r / G), head g * G + r % G */
             for (long r = 0; r < rows; r++) {
                 qr[r] = q + ((p0 + r / G) * H + g * G + r % G) * D;
                 row_max[r] = -INFINITY;
@@ -120,7 +122,7 @@ void anna_causal_attention(const float *q, const float *k, const float *v, float
                 }
                 long width = tiles * KEYS_PER_TILE;
                 for (long r = 0; r < rows; r++) {
-                    long valid = min_l(cols, p0 + r / G - c0 + 1);  /* keys c0 .. this row's position */
+                    long valid = min_l(cols, offset + p0 + r / G - c0 + 1);  /* keys c0 .. this row's position */
                     if (valid <= 0) continue;
                     float *s = S + r * BK;
                     for (long c = valid; c < width; c++) s[c] = -INFINITY;
