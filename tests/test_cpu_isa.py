@@ -334,3 +334,29 @@ def test_the_amx_level_asks_linux_for_the_tiles_and_falls_back_when_refused(cach
     else:
         assert request_amx_tiles() > 0 and kernels.level == "avx512_vnni"
         assert "Linux did not let Anna use the AMX tiles" in caplog.text
+
+
+def test_a_compiler_without_amx_runs_the_avx512_vnni_build(cache_dir, tmp_path, monkeypatch, caplog):
+    """Where Linux grants the tiles but the C compiler cannot build AMX code (GCC before 11), the
+    avx512_vnni build runs, not torch's kernels. The compiler here refuses -mamx-tile; Linux's
+    grant is given as an AMX CPU's Linux gives it."""
+    import shutil
+
+    from anna.platforms.cpu import kernels as cpu_kernels
+    from anna.platforms.cpu.isa import CpuIsa
+    from conftest import kernels_at_level
+
+    kernels_at_level("avx512_vnni", cache_dir)  # skips a CPU without it; built once per session, copied below
+    here = detect_isa()
+    store = tmp_path / "cache"
+    (store / "kernels").mkdir(parents=True)
+    for built in (cache_dir / "kernels").glob("anna_cpu_kernels_avx512_vnni_*.so"):
+        shutil.copy(built, store / "kernels")
+    compiler = tmp_path / "cc-without-amx"
+    compiler.write_text('#!/bin/sh\nfor a in "$@"; do [ "$a" = -mamx-tile ] && exit 1; done\nexec gcc "$@"\n')
+    compiler.chmod(0o755)
+    monkeypatch.setattr(cpu_kernels, "request_amx_tiles", lambda: 0)
+    with caplog.at_level(logging.WARNING, logger="anna.platforms.cpu.kernels"):
+        kernels = cpu_kernels.build_cpu_kernels(store, str(compiler), CpuIsa(here.model_name, here.flags, "amx", "amx"))
+    assert kernels is not None and kernels.level == "avx512_vnni"
+    assert "The amx level's kernels could not be built" in caplog.text

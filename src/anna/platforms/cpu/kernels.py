@@ -407,7 +407,11 @@ def build_cpu_kernels(cache_dir: str | Path, compiler: str = "", isa: CpuIsa | N
         log.warning("Linux did not let Anna use the AMX tiles (%s): running the avx512_vnni level's kernels",
                     os.strerror(refused))
         level = "avx512_vnni"
-    return load_kernels(cache_dir, compiler, level, LEVEL_CFLAGS[level])
+    kernels = load_kernels(cache_dir, compiler, level, LEVEL_CFLAGS[level])
+    if kernels is None and level == "amx":  # (a compiler without -mamx-tile: GCC before 11, Clang before 12)
+        log.warning("The amx level's kernels could not be built: running the avx512_vnni level's")
+        kernels = load_kernels(cache_dir, compiler, "avx512_vnni", LEVEL_CFLAGS["avx512_vnni"])
+    return kernels
 
 
 # Linux (5.16 on) enables AMX's tile data per process on request, arch_prctl(ARCH_REQ_XCOMP_PERM,
