@@ -157,8 +157,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: Pa
         elif sliding_window is None or chunk.context_len <= sliding_window:  # causal over the cached context
             keys, values = _cached_context(cache, chunk, meta.block_size, q.dtype)
             out[sl] = ops.causal_attention(q[sl], keys, values, scale, chunk.mask)
-        else:
-            out[sl] = _prefill_attention(q[sl], cache, chunk, meta.block_size, scale, compute_dtype)
+        else:  # a sliding window that cuts the context: its mask
+            keys, values = _cached_context(cache, chunk, meta.block_size, compute_dtype)
+            out[sl] = sdpa_attention(q[sl], keys, values, scale, chunk.mask, compute_dtype)
     return out
 
 
@@ -191,12 +192,12 @@ def _cached_context(cache: PagedKV, chunk: PrefillChunk, block_size: int,
     return tuple(cache.format.decode(gather_blocks(c, table)[:chunk.context_len], dtype) for c in cache)
 
 
-def _prefill_attention(q: torch.Tensor, cache: PagedKV, chunk: PrefillChunk, block_size: int, scale: float,
-                       dtype: torch.dtype) -> torch.Tensor:
-    """A prefill chunk's attention over its cached context through its mask (a sliding window)."""
-    keys, values = _cached_context(cache, chunk, block_size, dtype)
+def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None,
+                   dtype: torch.dtype) -> torch.Tensor:
+    """torch's SDPA in ``dtype`` on Anna's layout: q [Tq, H, D], k, v [Tk, KV, D] -> [Tq, H, D] in
+    q's dtype; ``mask`` [Tq, Tk] (True: attend), or None for causal attention with Tq = Tk."""
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1).unsqueeze(0).to(dtype), keys.transpose(0, 1).unsqueeze(0).to(dtype),
-        values.transpose(0, 1).unsqueeze(0).to(dtype), attn_mask=chunk.mask, is_causal=chunk.mask is None,
-        scale=scale, enable_gqa=True)
+        q.transpose(0, 1).unsqueeze(0).to(dtype), k.transpose(0, 1).unsqueeze(0).to(dtype),
+        v.transpose(0, 1).unsqueeze(0).to(dtype), attn_mask=mask, is_causal=mask is None, scale=scale,
+        enable_gqa=True)
     return out.squeeze(0).transpose(0, 1).to(q.dtype)

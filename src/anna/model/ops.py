@@ -149,16 +149,11 @@ class ModelOps:
         """A prompt chunk's causal attention over its context: q [Tq, H, D] are the last Tq of the
         Tk positions whose k, v [Tk, KV, D] are given (Tq = Tk: a prompt over itself; fewer: a chunk
         after a cached prefix) -> [Tq, H, D], computed in attention_dtype. ``mask``: that causal mask
-        [Tq, Tk] where the step's metadata has it (built here otherwise)."""
-        dtype = self.attention_dtype or q.dtype
-        if mask is None and q.shape[0] != k.shape[0]:  # (SDPA's is_causal aligns query 0 with key 0)
-            positions = torch.arange(k.shape[0] - q.shape[0], k.shape[0], device=q.device)
-            mask = torch.arange(k.shape[0], device=q.device)[None, :] <= positions[:, None]
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1).unsqueeze(0).to(dtype), k.transpose(0, 1).unsqueeze(0).to(dtype),
-            v.transpose(0, 1).unsqueeze(0).to(dtype), attn_mask=mask, is_causal=mask is None, scale=scale,
-            enable_gqa=True)
-        return out.squeeze(0).transpose(0, 1).to(q.dtype)
+        [Tq, Tk], from the step's metadata; needed where Tq < Tk (SDPA's is_causal would align query
+        0 with key 0)."""
+        from anna.model.attention import sdpa_attention
+
+        return sdpa_attention(q, k, v, scale, mask, self.attention_dtype or q.dtype)
 
     def decode_attention(self, q: torch.Tensor, cache: "PagedKV", meta: "AttentionMetadata", scale: float,
                          sliding_window: int | None) -> torch.Tensor:
