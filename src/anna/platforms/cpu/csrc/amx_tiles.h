@@ -5,7 +5,9 @@
  * where they are plain C with the instructions' semantics (Intel's pseudocode for LDTILECFG,
  * TILELOADD, TILESTORED, TILEZERO and TDPBSUD). The emulated build runs the very kernel code that
  * the AMX build runs on CPUs without AMX, so that its layout, padding and scaling are tested
- * everywhere (tests/test_cpu_kernels.py); only the instructions themselves need an AMX CPU.
+ * everywhere (tests/test_quantization.py, tests/test_cpu_isa.py), and it traps where the CPU would
+ * fault (a configuration LDTILECFG rejects, a tile used unconfigured or in mismatched shapes); only
+ * the instructions themselves need an AMX CPU.
  *
  * Tiles are thread state: each thread loads the configuration before its first tile operation
  * and releases the tiles when done. Linux also wants the process to ask for the tile data state
@@ -41,29 +43,49 @@ typedef struct {
 } amx_emulated_tile;
 
 static __thread amx_emulated_tile amx_emulated[8];
+static __thread int amx_emulated_configured;
+
+/* What the CPU faults on (#GP in LDTILECFG, #UD in the tile operations) traps here too, so that a
+ * configuration or use the hardware would reject fails the emulated build's tests instead. */
+#define AMX_EMULATED_CHECK(ok) ((ok) ? (void)0 : __builtin_trap())
 
 static inline void amx_load_config(const amx_config *cfg) {
+    AMX_EMULATED_CHECK(cfg->palette == 1 && cfg->start_row == 0);
+    for (int i = 0; i < 14; i++) AMX_EMULATED_CHECK(cfg->reserved[i] == 0);
+    for (int t = 8; t < 16; t++) AMX_EMULATED_CHECK(cfg->rows[t] == 0 && cfg->colsb[t] == 0);
     for (int t = 0; t < 8; t++) {
+        AMX_EMULATED_CHECK(cfg->rows[t] <= 16 && cfg->colsb[t] <= 64 && (cfg->rows[t] == 0) == (cfg->colsb[t] == 0));
         amx_emulated[t].rows = cfg->rows[t];
         amx_emulated[t].colsb = cfg->colsb[t];
         memset(amx_emulated[t].data, 0, sizeof(amx_emulated[t].data));
     }
+    amx_emulated_configured = 1;
+}
+
+/* tile t, checked usable: the thread has loaded a configuration that gives it rows */
+static inline amx_emulated_tile *amx_emulated_tile_in_use(int t) {
+    AMX_EMULATED_CHECK(amx_emulated_configured && amx_emulated[t].rows > 0);
+    return &amx_emulated[t];
 }
 
 static inline void amx_emulated_load(int t, const void *base, long stride) {
-    for (int r = 0; r < amx_emulated[t].rows; r++)
-        memcpy(amx_emulated[t].data[r], (const uint8_t *)base + r * stride, amx_emulated[t].colsb);
+    amx_emulated_tile *tile = amx_emulated_tile_in_use(t);
+    for (int r = 0; r < tile->rows; r++) memcpy(tile->data[r], (const uint8_t *)base + r * stride, tile->colsb);
 }
 
 static inline void amx_emulated_store(int t, void *base, long stride) {
-    for (int r = 0; r < amx_emulated[t].rows; r++)
-        memcpy((uint8_t *)base + r * stride, amx_emulated[t].data[r], amx_emulated[t].colsb);
+    amx_emulated_tile *tile = amx_emulated_tile_in_use(t);
+    for (int r = 0; r < tile->rows; r++) memcpy((uint8_t *)base + r * stride, tile->data[r], tile->colsb);
 }
+
+static inline void amx_emulated_zero(int t) { memset(amx_emulated_tile_in_use(t)->data, 0, sizeof(amx_emulated[t].data)); }
 
 /* dst[m][n] += sum over k, i < 4 of a[m][4k + i] (signed) * b[k][4n + i] (unsigned) */
 static inline void amx_emulated_dpbsud(int dst, int a, int b) {
-    amx_emulated_tile *c = &amx_emulated[dst], *x = &amx_emulated[a], *w = &amx_emulated[b];
-    if (x->rows != c->rows || x->colsb / 4 != w->rows || w->colsb != c->colsb) __builtin_trap();  /* #UD */
+    AMX_EMULATED_CHECK(dst != a && dst != b && a != b);
+    amx_emulated_tile *c = amx_emulated_tile_in_use(dst), *x = amx_emulated_tile_in_use(a),
+                      *w = amx_emulated_tile_in_use(b);
+    AMX_EMULATED_CHECK(x->rows == c->rows && x->colsb % 4 == 0 && x->colsb / 4 == w->rows && w->colsb == c->colsb);
     for (int m = 0; m < c->rows; m++)
         for (int n = 0; n < c->colsb / 4; n++) {
             int32_t sum;
@@ -78,9 +100,9 @@ static inline void amx_emulated_dpbsud(int dst, int a, int b) {
 #define AMX_LOAD_CONFIG(cfg) amx_load_config(cfg)
 #define AMX_LOAD(t, base, stride) amx_emulated_load(t, base, stride)
 #define AMX_STORE(t, base, stride) amx_emulated_store(t, base, stride)
-#define AMX_ZERO(t) memset(amx_emulated[t].data, 0, sizeof(amx_emulated[t].data))
+#define AMX_ZERO(t) amx_emulated_zero(t)
 #define AMX_DPBSUD(dst, a, b) amx_emulated_dpbsud(dst, a, b)
-#define AMX_RELEASE() ((void)0)
+#define AMX_RELEASE() (amx_emulated_configured = 0)
 
 #else  /* the instructions */
 
