@@ -579,6 +579,37 @@ INLINE void attend(int kind, const AnnaKVFormat *f, const float *qv, const uint8
     if (rotated) rotate_rows(f->rotation, acc, o, group, dim, 1);
 }
 
+/* attend() for each stored row format, each a function of its own: inlined into one, the six took
+ * the compiler most of the kernels' build time (its register passes grow faster than a function). */
+typedef void (*AttendFn)(const AnnaKVFormat *, const float *, const uint8_t *, const uint8_t *, const PagedSeq *, long,
+                         long, long, long, float, const AttendBuffers *, float *);
+#define ATTEND_AS(K, NAME)                                                                                            \
+    static __attribute__((noinline)) void NAME(const AnnaKVFormat *f, const float *qv, const uint8_t *k_cache,        \
+                                               const uint8_t *v_cache, const PagedSeq *seq, long start, long n,       \
+                                               long group, long dim, float scale, const AttendBuffers *b, float *o) { \
+        attend(K, f, qv, k_cache, v_cache, seq, start, n, group, dim, scale, b, o);                                   \
+    }
+ATTEND_AS(KV_F32, attend_f32)
+ATTEND_AS(KV_BF16, attend_bf16)
+ATTEND_AS(KV_F16, attend_f16)
+ATTEND_AS(KV_FP8, attend_fp8)
+ATTEND_AS(KV_INT8, attend_int8)
+ATTEND_AS(KV_TQ4, attend_tq4)
+ATTEND_AS(KV_TQ3, attend_tq3)
+#undef ATTEND_AS
+
+static AttendFn attend_as(int kind) {
+    switch (kind) {
+    case KV_BF16: return attend_bf16;
+    case KV_F16: return attend_f16;
+    case KV_FP8: return attend_fp8;
+    case KV_INT8: return attend_int8;
+    case KV_TQ4: return attend_tq4;
+    case KV_TQ3: return attend_tq3;
+    default: return attend_f32;
+    }
+}
+
 /* Decode attention over a paged KV cache: one query token per sequence.
  * q, out: [seqs, heads, dim] fp32; caches: [blocks, kv_heads, block_size, row] with rows stored as
  * `f` says (NULL: fp32); tables: [seqs, table_width] block ids; ctx: tokens of each sequence (the new
@@ -615,17 +646,7 @@ void anna_paged_decode_attention(const float *q, const void *k_cache, const void
             float *o = out + (sq * heads + kvh * group) * dim;
             PagedSeq seq = {tables + sq * table_width, block_size, kv_heads, kvh, row_bytes, shift};
             const uint8_t *kc = (const uint8_t *)k_cache, *vc = (const uint8_t *)v_cache;
-#define ATTEND(K) attend(K, f, qv, kc, vc, &seq, start, n, group, dim, scale, &b, o)
-            switch (kind) {
-            case KV_BF16: ATTEND(KV_BF16); break;
-            case KV_F16: ATTEND(KV_F16); break;
-            case KV_FP8: ATTEND(KV_FP8); break;
-            case KV_INT8: ATTEND(KV_INT8); break;
-            case KV_TQ4: ATTEND(KV_TQ4); break;
-            case KV_TQ3: ATTEND(KV_TQ3); break;
-            default: ATTEND(KV_F32);
-            }
-#undef ATTEND
+            attend_as(kind)(f, qv, kc, vc, &seq, start, n, group, dim, scale, &b, o);
         }
         free(b.scores);
         free(b.mx);
