@@ -423,7 +423,9 @@ def request_amx_tiles() -> int:
     """Ask Linux to let this process (all its threads) use the AMX tiles: 0 when granted, else
     the errno (EOPNOTSUPP on a CPU without them)."""
     libc = ctypes.CDLL(None, use_errno=True)
-    if libc.syscall(SYS_ARCH_PRCTL, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0:
+    libc.syscall.restype = ctypes.c_long  # syscall(2) is variadic over longs: pass them as such
+    args = (ctypes.c_long(n) for n in (SYS_ARCH_PRCTL, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA))
+    if libc.syscall(*args) == 0:
         return 0
     return ctypes.get_errno() or -1
 
