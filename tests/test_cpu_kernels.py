@@ -200,14 +200,21 @@ def test_paged_decode_attention_matches_torch(kernels, window):
         torch.testing.assert_close(got[i], torch.einsum("hl,lhd->hd", weights, v), rtol=1e-4, atol=1e-5)
 
 
-def _exact_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def _causal_mask(tq: int, tk: int, window: int | None = None) -> torch.Tensor:
+    """[Tq, Tk], True where query i (position tk - tq + i) sees the key: at or before it, and
+    within its last ``window`` keys."""
+    qpos, kpos = torch.arange(tk - tq, tk).unsqueeze(1), torch.arange(tk).unsqueeze(0)
+    return (kpos <= qpos) & (kpos > qpos - window) if window else kpos <= qpos
+
+
+def _exact_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None = None) -> torch.Tensor:
     """float64 attention of q [Tq, H, D], the last Tq of the Tk positions of k, v [Tk, KV, D]."""
     tq, heads, dim = q.shape
     tk, kv_heads, _ = k.shape
     qd, kd, vd = (t.double().transpose(0, 1) for t in (q, k, v))
     kd, vd = (t.repeat_interleave(heads // kv_heads, dim=0) for t in (kd, vd))
     scores = (qd @ kd.transpose(1, 2)) * dim ** -0.5
-    scores.masked_fill_(torch.ones(tq, tk, dtype=torch.bool).triu(tk - tq + 1), float("-inf"))
+    scores.masked_fill_(~_causal_mask(tq, tk, window), float("-inf"))
     return (torch.softmax(scores, dim=-1) @ vd).transpose(0, 1)
 
 
@@ -218,20 +225,24 @@ def test_causal_prefill_attention_matches_torch_at_every_length(kernels, heads, 
     items of 8 positions, key blocks of 64, a last block cut at the diagonal) and 300; grouped and
     plain heads; head sizes that are whole 64-column passes, a 64 + 8 one and a single vector.
     Large scores (x 4) make the running maximum move between key blocks. Then chunks after a
-    cached prefix (the last Tq of Tk positions), the same way."""
+    cached prefix (the last Tq of Tk positions), the same way; then sliding windows that cut the
+    context (a row's first key inside a key block, or whole blocks before it skipped), over a
+    prompt itself and after a prefix."""
     g = torch.Generator().manual_seed(4)
-    cases = [(t, t) for t in [*range(1, 131), 300]] + [(tq, tk) for tk in (9, 64, 65, 200) for tq in (1, 7, 8, 9, 64)
-                                                        if tq < tk]
-    for tokens, context in cases:
+    cases = [(t, t, None) for t in [*range(1, 131), 300]]
+    cases += [(tq, tk, None) for tk in (9, 64, 65, 200) for tq in (1, 7, 8, 9, 64) if tq < tk]
+    cases += [(t, t, w) for t in (9, 70, 130, 300) for w in (1, 5, 8, 64, 100) if w < t]
+    cases += [(tq, tk, w) for tk, tq in ((65, 1), (200, 9), (200, 64), (300, 130)) for w in (3, 64, 70)]
+    for tokens, context, window in cases:
         q = torch.randn(tokens, heads, dim, generator=g) * 4
         k, v = (torch.randn(context, kv_heads, dim, generator=g) * 4 for _ in range(2))
-        got = kernels.causal_attention(q, k, v, dim ** -0.5)
-        mask = torch.ones(tokens, context, dtype=torch.bool).tril(context - tokens)
-        sdpa = F.scaled_dot_product_attention(*(t.transpose(0, 1)[None] for t in (q, k, v)), attn_mask=mask,
+        got = kernels.causal_attention(q, k, v, dim ** -0.5, window)
+        sdpa = F.scaled_dot_product_attention(*(t.transpose(0, 1)[None] for t in (q, k, v)),
+                                              attn_mask=_causal_mask(tokens, context, window),
                                               enable_gqa=True)[0].transpose(0, 1)
-        want = _exact_causal_attention(q, k, v)
+        want = _exact_causal_attention(q, k, v, window)
         error, torch_error = ((t.double() - want).abs().max().item() for t in (got, sdpa))
-        assert error <= 2 * torch_error + 2e-5, (tokens, context, error, torch_error)
+        assert error <= 2 * torch_error + 2e-5, (tokens, context, window, error, torch_error)
 
 
 @pytest.mark.parametrize("norm_dtype", [torch.float32, torch.bfloat16])

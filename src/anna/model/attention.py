@@ -145,21 +145,17 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: Pa
     """q: [T, H, D]; k, v: [T, KV, D] for the new tokens. Writes k/v to the cache, returns [T, H, D].
     (The sliding window is already in the masks; ``sliding_window`` is for Anna's CPU kernel.)"""
     ops.write_kv(cache, k, v, meta.slot_mapping)
-    compute_dtype = ops.attention_dtype or q.dtype
     out = torch.empty_like(q)
     nd = meta.num_decode_tokens
     if nd:
         out[:nd] = ops.decode_attention(q[:nd], cache, meta, scale, sliding_window)
     for chunk in meta.prefills:
         sl = slice(chunk.query_start, chunk.query_start + chunk.query_len)
-        if chunk.mask is None and cache.format.stores_exactly(k.dtype):  # no cached prefix: over itself
-            out[sl] = ops.causal_attention(q[sl], k[sl], v[sl], scale)
-        elif sliding_window is None or chunk.context_len <= sliding_window:  # causal over the cached context
+        if chunk.mask is None and cache.format.stores_exactly(k.dtype):  # a whole prompt over itself
+            keys, values = k[sl], v[sl]
+        else:  # the chunk's context as the cache holds it
             keys, values = _cached_context(cache, chunk, meta.block_size, q.dtype)
-            out[sl] = ops.causal_attention(q[sl], keys, values, scale, chunk.mask)
-        else:  # a sliding window that cuts the context: its mask
-            keys, values = _cached_context(cache, chunk, meta.block_size, compute_dtype)
-            out[sl] = sdpa_attention(q[sl], keys, values, scale, chunk.mask, compute_dtype)
+        out[sl] = ops.causal_attention(q[sl], keys, values, scale, chunk.mask, sliding_window)
     return out
 
 

@@ -145,12 +145,13 @@ class ModelOps:
         write_kv(cache, k, v, slots)
 
     def causal_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                         mask: torch.Tensor | None = None) -> torch.Tensor:
+                         mask: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
         """A prompt chunk's causal attention over its context: q [Tq, H, D] are the last Tq of the
         Tk positions whose k, v [Tk, KV, D] are given (Tq = Tk: a prompt over itself; fewer: a chunk
         after a cached prefix) -> [Tq, H, D], computed in attention_dtype. ``mask``: that causal mask
-        [Tq, Tk], from the step's metadata; needed where Tq < Tk (SDPA's is_causal would align query
-        0 with key 0)."""
+        [Tq, Tk], from the step's metadata, the sliding window in it; needed where Tq < Tk (SDPA's
+        is_causal would align query 0 with key 0) or where the window cuts the context. ``window``:
+        the sliding window itself, for kernels that take it instead of the mask."""
         from anna.model.attention import sdpa_attention
 
         return sdpa_attention(q, k, v, scale, mask, self.attention_dtype or q.dtype)

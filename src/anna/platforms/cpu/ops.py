@@ -185,13 +185,13 @@ class CpuKernelOps(CpuTorchOps):
         self.kernels.kv_write(cache.format, v, cache[1], slots)
 
     def causal_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                         mask: torch.Tensor | None = None) -> torch.Tensor:
+                         mask: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
         """Anna's kernel, in fp32 whatever attention_dtype says: on a 2-core Zen 4 it ran 2.1x torch's
         SDPA in fp32 or bf16 at 512 tokens, 1.2x at 2,048 (benchmarks/attention_bench.py --prefill)."""
         if q.shape[-1] % 8:
-            return super().causal_attention(q, k, v, scale, mask)
+            return super().causal_attention(q, k, v, scale, mask, window)
         with self.region("attention:prefill"):
-            return self.kernels.causal_attention(q, k, v, scale).to(q.dtype)
+            return self.kernels.causal_attention(q, k, v, scale, window).to(q.dtype)
 
     def decode_attention(self, q: torch.Tensor, cache: PagedKV, meta: AttentionMetadata, scale: float,
                          sliding_window: int | None) -> torch.Tensor:

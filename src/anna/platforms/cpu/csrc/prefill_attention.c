@@ -2,7 +2,8 @@
  * scale, causal) v, with q [Tq, H, D] the last Tq of the Tk positions whose keys and values are
  * k, v [Tk, KV, D] (Tq = Tk: a prompt over itself; Tq < Tk: a chunk after a cached prefix), query
  * i seeing keys 0 .. Tk - Tq + i; each query head h reads KV head h / (H / KV) (grouped-query
- * attention).
+ * attention). window > 0: a sliding window, query i sees only its last `window` keys (its own
+ * included), as in Mistral's and Qwen2's sliding-window layers.
  *
  * Flash-attention's order of work: a work item is BQ positions of one KV head with all the G =
  * H / KV query heads that share it (BQ * G rows of q that read the same keys and values), and
@@ -71,7 +72,7 @@ static void add_weighted_rows(float *o, const float *p, int n, const float *v, l
 
 /* D: a multiple of 8 (kernels.py routes other head sizes to torch) */
 void anna_causal_attention(const float *q, const float *k, const float *v, float *out, long Tq, long T, long H,
-                           long KV, long D, float scale, int threads) {
+                           long KV, long D, float scale, long window, int threads) {
     long G = H / KV, nqb = (Tq + BQ - 1) / BQ, nkb = (T + BK - 1) / BK, Tp = nkb * BK, offset = T - Tq;
     /* K per head in transposed blocks, [KV][T / BK][D][BK] (zero-padded): a block is one
      * contiguous 16 KB at D = 64 (rows of a whole-T transpose, a power of two apart, would fall
@@ -99,6 +100,7 @@ void anna_causal_attention(const float *q, const float *k, const float *v, float
         for (long item = 0; item < KV * nqb; item++) {
             long qb = nqb - 1 - item / KV, g = item % KV;  /* the longest rows first */
             long p0 = qb * BQ, np = min_l(BQ, Tq - p0), rows = np * G, end = offset + p0 + np;
+            long first_key = window > 0 && offset + p0 >= window ? offset + p0 - window + 1 : 0;  /* the first row's */
             /* row r: query p0 + r / G (position offset + p0 + r / G), head g * G + r % G */
             for (long r = 0; r < rows; r++) {
                 qr[r] = q + ((p0 + r / G) * H + g * G + r % G) * D;
@@ -107,7 +109,7 @@ void anna_causal_attention(const float *q, const float *k, const float *v, float
             }
             for (long r = rows; r < rows + ROWS_PER_TILE; r++) qr[r] = qr[rows - 1];
             memset(O, 0, sizeof(float) * rows * D);
-            for (long c0 = 0; c0 < end; c0 += BK) {
+            for (long c0 = first_key / BK * BK; c0 < end; c0 += BK) {
                 long cols = min_l(BK, end - c0);
                 long tiles = (cols + KEYS_PER_TILE - 1) / KEYS_PER_TILE;
                 const float *kb = kt + (g * nkb + c0 / BK) * D * BK;
@@ -122,9 +124,12 @@ void anna_causal_attention(const float *q, const float *k, const float *v, float
                 }
                 long width = tiles * KEYS_PER_TILE;
                 for (long r = 0; r < rows; r++) {
-                    long valid = min_l(cols, offset + p0 + r / G - c0 + 1);  /* keys c0 .. this row's position */
-                    if (valid <= 0) continue;
+                    /* this row's keys in the block: [lo, valid), up to its position and within its window */
+                    long pos = offset + p0 + r / G, valid = min_l(cols, pos - c0 + 1);
+                    long lo = window > 0 && pos - window + 1 > c0 ? pos - window + 1 - c0 : 0;
+                    if (valid <= lo) continue;
                     float *s = S + r * BK;
+                    for (long c = 0; c < lo; c++) s[c] = -INFINITY;
                     for (long c = valid; c < width; c++) s[c] = -INFINITY;
                     __m256 mx = _mm256_set1_ps(-INFINITY), sc = _mm256_set1_ps(scale);
                     for (long c = 0; c < width; c += 8) {
@@ -140,14 +145,15 @@ void anna_causal_attention(const float *q, const float *k, const float *v, float
                     __m256 nm = _mm256_set1_ps(new_max), sum = _mm256_setzero_ps();
                     for (long c = 0; c < width; c += 8)
                         _mm256_storeu_ps(s + c, exp8(_mm256_sub_ps(_mm256_loadu_ps(s + c), nm)));
-                    for (long c = valid; c < width; c++) s[c] = 0.0f;  /* (exp8 clamps -inf to ~1e-38) */
+                    for (long c = 0; c < lo; c++) s[c] = 0.0f;  /* (exp8 clamps -inf to ~1e-38) */
+                    for (long c = valid; c < width; c++) s[c] = 0.0f;
                     for (long c = 0; c < width; c += 8) sum = _mm256_add_ps(sum, _mm256_loadu_ps(s + c));
                     row_sum[r] = row_sum[r] * alpha + hsum(sum);
                     row_max[r] = new_max;
                     float *o = O + r * D;
                     if (alpha != 1.0f)
                         for (long d = 0; d < D; d++) o[d] *= alpha;
-                    add_weighted_rows(o, s, (int)valid, vh + (g * Tp + c0) * D, D, D);
+                    add_weighted_rows(o, s + lo, (int)(valid - lo), vh + (g * Tp + c0 + lo) * D, D, D);
                 }
             }
             for (long r = 0; r < rows; r++) {
