@@ -79,10 +79,48 @@ def test_the_lm_head_is_timed_only_at_the_rows_a_step_samples():
             seen.append((self.name, x.shape[0]))
             return x
 
-    groups = [LayerGroup(Layer("body"), 24, False), LayerGroup(Layer("lm_head"), 1, True)]
+    groups = [LayerGroup((Layer("body"),), False), LayerGroup((Layer("lm_head"),), True)]
     for rows in (64, 65):
         _model_seconds(Timer(10.0, sampled_rows=64), groups, rows, warm_up=False)
     assert seen == [("body", 64), ("lm_head", 64), ("body", 65)]
+
+
+def test_a_pass_streams_enough_layers_from_memory_and_scales_to_all():
+    """A decode step reads each layer's weights from memory; one layer timed again and again sits
+    in the cache instead (there, bf16 dot products won at M = 1 on a Zen 4 where decode ran ~20%
+    slower on them). Up to STREAMED_MAX_ROWS rows, a group is timed over its first layers up to
+    STREAMED_BYTES of weights, in model order, and scaled to its count (a group smaller than that
+    is timed whole); above, where compute decides, over its first layer."""
+    from anna.platforms.cpu.calibration import STREAMED_BYTES, STREAMED_MAX_ROWS, LayerGroup, Timer, _model_seconds
+
+    seen: list[int] = []
+
+    class Layer(torch.nn.Module):
+        def __init__(self, index: int, nbytes: int) -> None:
+            super().__init__()
+            self.index, self.in_features = index, 8
+            self.register_buffer("weight", torch.empty(nbytes, dtype=torch.uint8), persistent=False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            seen.append(self.index)
+            return x
+
+    quarter = STREAMED_BYTES // 4
+    big = LayerGroup(tuple(Layer(i, quarter) for i in range(24)), False)
+    assert big.count == 24 and [layer.index for layer in big.streamed()] == [0, 1, 2, 3]
+    small = LayerGroup(tuple(Layer(100 + i, 1024) for i in range(3)), False)
+    assert small.streamed() == small.layers
+
+    class FixedTimer(Timer):  # every timed call "takes" one second
+        def seconds(self, fn, warm_up):
+            fn()
+            return 1.0
+
+    assert _model_seconds(FixedTimer(10.0), [big, small], STREAMED_MAX_ROWS, warm_up=False) == 24 / 4 + 3 / 3
+    assert seen == [0, 1, 2, 3, 100, 101, 102]
+    seen.clear()
+    assert _model_seconds(FixedTimer(10.0), [big, small], STREAMED_MAX_ROWS + 1, warm_up=False) == 24 + 3
+    assert seen == [0, 100]
 
 
 def test_the_first_start_measures_stores_and_applies(qwen2_dir, store):

@@ -12,8 +12,13 @@ and the model's dtype, format and linear shapes; anything else that changed sele
 layer: a flag or ANNA_* value still wins (the settings table says ``calibrated`` where one was
 used), ``anna tune MODEL`` measures again, ``--no-calibrate`` keeps the built-in values.
 
-What is measured, each as the whole model's matmul time (each distinct layer shape timed once,
-weighted by how many layers have it) at a few M:
+What is measured, each as the whole model's matmul time at a few M: each distinct layer shape
+timed once and scaled to the layers that have it. Up to STREAMED_MAX_ROWS rows of x, where
+reading the weights is most of a matmul's time, it is timed over enough of the model's layers of
+that shape (STREAMED_BYTES of weights) that they come from memory, as in a decode step; one layer
+timed again and again sits in the last-level cache, where compute decides (on a Zen 4, bf16 dot
+products then won at M = 1, and batch-1 decode, which streams the weights, ran ~25% slower on
+them). Above it, one layer of each shape is timed.
 - ``cpu_bf16_dot_min_rows`` (a bf16 model on Anna's kernels, where the CPU has AVX512-BF16): the
   weight-streaming kernel on bf16 dot products against the same kernel in fp32, at every M of
   DOT_ROWS; measured first, so that the bound below is measured on the kernel that will run;
@@ -51,8 +56,10 @@ from anna.platforms.cpu.isa import LEVEL_FLAGS, CpuIsa
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: layers timed streamed from memory (STREAMED_BYTES)
 BUDGET_S = 15.0  # the most one calibration measures; what is left unmeasured keeps its built-in value
+STREAMED_BYTES = 64 << 20  # weights per timed pass: twice a 32 MB last-level cache
+STREAMED_MAX_ROWS = 16
 GEMV_ROWS = (1, 8, 16, 32, 48, 64, 96, 128, 192, 256)
 DOT_ROWS = (1, 2, 4, 8, 16)
 INT4_ROWS = (16, 32, 64, 128, 256, 512, 1024, 2048)
@@ -67,11 +74,27 @@ class OutOfTime(Exception):
 
 @dataclass(frozen=True)
 class LayerGroup:
-    """One distinct linear layer of the model and how many layers share its shape and format."""
+    """The model's linear layers of one shape and format."""
 
-    layer: Any
-    count: int
+    layers: tuple[Any, ...]
     lm_head: bool
+
+    @property
+    def layer(self) -> Any:
+        return self.layers[0]
+
+    @property
+    def count(self) -> int:
+        return len(self.layers)
+
+    def streamed(self) -> tuple[Any, ...]:
+        """The first of its layers whose weights add up to STREAMED_BYTES (all, if they are fewer)."""
+        total = 0
+        for i, layer in enumerate(self.layers):
+            total += sum(t.numel() * t.element_size() for t in (*layer.parameters(), *layer.buffers()))
+            if total >= STREAMED_BYTES:
+                return self.layers[:i + 1]
+        return self.layers
 
 
 @dataclass(frozen=True)
@@ -89,18 +112,15 @@ class Calibration:
 
 
 def layer_groups(model: torch.nn.Module) -> list[LayerGroup]:
-    """The model's linear layers, one per (format, shape, bias, lm_head) with its count."""
+    """The model's linear layers, grouped by (format, shape, bias, lm_head), in model order."""
     groups: dict[tuple, list] = {}
     for name, module in model.named_modules():
         if not isinstance(module, (Linear, QuantLinear)):
             continue
         lm_head = name.split(".")[-1] == "lm_head"
         key = (_format(module), module.out_features, module.in_features, module.bias is not None, lm_head)
-        if key in groups:
-            groups[key][1] += 1
-        else:
-            groups[key] = [module, 1, lm_head]
-    return [LayerGroup(*g) for g in groups.values()]
+        groups.setdefault(key, []).append(module)
+    return [LayerGroup(tuple(layers), key[-1]) for key, layers in groups.items()]
 
 
 def host_identity(isa: CpuIsa) -> dict[str, Any]:
@@ -214,15 +234,16 @@ def _routing(ops: Any, **changes: Any) -> Iterator[None]:
 
 
 def _model_seconds(timer: Timer, groups: list[LayerGroup], rows: int, warm_up: bool) -> float:
-    """Seconds of one pass of these layers (each group's layer timed once, times its count). The
-    lm_head multiplies only the positions a step samples, at most ``timer.sampled_rows``: beyond
-    that M it is not part of a pass."""
+    """Seconds of one pass of these layers (each group's layers timed once, its streamed ones up
+    to STREAMED_MAX_ROWS rows, else its first, scaled to its count). The lm_head multiplies only
+    the positions a step samples, at most ``timer.sampled_rows``: beyond that M it is not part of
+    a pass."""
     total = 0.0
     for g in groups:
         if g.lm_head and rows > timer.sampled_rows:
             continue
-        x = torch.randn(rows, g.layer.in_features)
-        total += g.count * timer.seconds(lambda: g.layer(x), warm_up)
+        x, layers = torch.randn(rows, g.layer.in_features), g.streamed() if rows <= STREAMED_MAX_ROWS else g.layers[:1]
+        total += g.count / len(layers) * timer.seconds(lambda: [layer(x) for layer in layers], warm_up)
     return total
 
 
