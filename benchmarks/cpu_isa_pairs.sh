@@ -14,6 +14,12 @@
 # LLAMA_Q4_BIN: the build that runs Q4_0 here (on AMX Xeons the native build dies with an illegal
 # instruction on Q4_0: build it with -mno-amx-tile -mno-amx-int8 -mno-amx-bf16). Every result is
 # a file under the output folder; the CPU's name and flags are in cpu.txt.
+#
+# CPU_ISA (default auto): the --cpu-isa every Anna run uses. With CPU_ISA=avx2, torch held to AVX2
+# too and a llama.cpp built for AVX2 alone, the run stands for an AVX2-only CPU with this core:
+#   CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 \
+#   LLAMA_BIN=/path/llama.cpp/build-avx2/bin ... bash benchmarks/cpu_isa_pairs.sh benchmarks/results/isa/avx2_run1
+# (llama.cpp: cmake -B build-avx2 -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON)
 set -euo pipefail
 OUT=${1:?output folder}
 MODEL=${MODEL:-benchmarks/models/qwen2.5-0.5b}
@@ -23,26 +29,29 @@ LLAMA_SERVER_BIN=${LLAMA_SERVER_BIN:-$LLAMA_BIN}
 F16=${F16:?F16 GGUF}
 Q4=${Q4:?Q4_0 GGUF}
 STEPS=${STEPS:-prefill decode streams}
+CPU_ISA=${CPU_ISA:-auto}
 mkdir -p "$OUT"
-{ grep -m1 "model name" /proc/cpuinfo; grep -m1 "^flags" /proc/cpuinfo; nproc; } > "$OUT/cpu.txt"
+{ grep -m1 "model name" /proc/cpuinfo; grep -m1 "^flags" /proc/cpuinfo; nproc; echo "CPU_ISA=$CPU_ISA" \
+  "ATEN_CPU_CAPABILITY=${ATEN_CPU_CAPABILITY:-} ONEDNN_MAX_CPU_ISA=${ONEDNN_MAX_CPU_ISA:-}" \
+  "MKL_ENABLE_INSTRUCTIONS=${MKL_ENABLE_INSTRUCTIONS:-}"; } > "$OUT/cpu.txt"
 
 for step in $STEPS; do
   case $step in
   prefill)
     for n in 512 2048; do
-      for isa in auto avx2; do
+      for isa in $(printf '%s\n' "$CPU_ISA" avx2 | uniq); do
         python benchmarks/prefill_bench.py --model "$MODEL" --prompt-tokens $n --cpu-isa $isa \
           --out "$OUT/prefill_bf16_${n}_${isa}.json" > /dev/null 2>&1
       done
-      python benchmarks/prefill_bench.py --model "$MODEL" --prompt-tokens $n --quantization int4 \
-        --out "$OUT/prefill_int4_${n}_auto.json" > /dev/null 2>&1
+      python benchmarks/prefill_bench.py --model "$MODEL" --prompt-tokens $n --quantization int4 --cpu-isa $CPU_ISA \
+        --out "$OUT/prefill_int4_${n}_${CPU_ISA}.json" > /dev/null 2>&1
       "$LLAMA_BIN/llama-bench" -m "$F16" -t 2 -p $n -n 0 -r 2 -o json > "$OUT/llamacpp_prefill_f16_$n.json"
       "$LLAMA_Q4_BIN/llama-bench" -m "$Q4" -t 2 -p $n -n 0 -r 2 -o json > "$OUT/llamacpp_prefill_q4_0_$n.json"
     done ;;
   decode)
     for q in none int4; do
       python benchmarks/decode_bench.py --model "$MODEL" --prompt-tokens 64 --new-tokens 128 --repeats 3 \
-        --no-transformers --quantization $q --out "$OUT/decode_$q.json" > /dev/null 2>&1
+        --no-transformers --quantization $q --cpu-isa $CPU_ISA --out "$OUT/decode_$q.json" > /dev/null 2>&1
     done
     "$LLAMA_BIN/llama-bench" -m "$F16" -t 2 -p 0 -n 128 -r 3 -o json > "$OUT/llamacpp_decode_f16.json"
     "$LLAMA_Q4_BIN/llama-bench" -m "$Q4" -t 2 -p 0 -n 128 -r 3 -o json > "$OUT/llamacpp_decode_q4_0.json"
@@ -50,7 +59,7 @@ for step in $STEPS; do
   streams)
     for q in none int4; do
       for streams in 1 16; do
-        anna serve --model "$MODEL" --quantization $q --max-num-seqs 16 --port 8000 --served-model-name qwen \
+        anna serve --model "$MODEL" --quantization $q --cpu-isa $CPU_ISA --max-num-seqs 16 --port 8000 --served-model-name qwen \
           --log-level warning > "$OUT/anna_serve_$q.log" 2>&1 &
         pid=$!
         python benchmarks/server_streams.py --base-url http://127.0.0.1:8000 --model qwen --streams $streams \
@@ -71,10 +80,10 @@ for step in $STEPS; do
     done ;;
   esac
 done
-python - "$OUT" <<'EOF'
+python - "$OUT" "$CPU_ISA" <<'EOF'
 import json, sys
 from pathlib import Path
-out = Path(sys.argv[1])
+out, cpu_isa = Path(sys.argv[1]), sys.argv[2]
 def read(name):
     p = out / name
     return json.loads(p.read_text()) if p.exists() else None
@@ -83,12 +92,12 @@ def llama(name):
     return None if not data else data[0]["avg_ts"]
 rows = []
 for n in (512, 2048):
-    for isa in ("auto", "avx2"):
+    for isa in dict.fromkeys((cpu_isa, "avx2")):
         r = read(f"prefill_bf16_{n}_{isa}.json")
         if r:
             rows.append(f"prefill {n} bf16 --cpu-isa {isa} ({r['cpu_isa']}): {r['prefill_tok_s']} tok/s, matmul ceiling "
                         f"{r['matmul_ceiling_tok_s']} tok/s, fraction {r['fraction']}")
-    r = read(f"prefill_int4_{n}_auto.json")
+    r = read(f"prefill_int4_{n}_{cpu_isa}.json")
     if r:
         rows.append(f"prefill {n} int4: {r['prefill_tok_s']} tok/s")
     rows.append(f"prefill {n} llama.cpp F16: {llama(f'llamacpp_prefill_f16_{n}.json')} tok/s, "
