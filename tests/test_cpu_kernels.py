@@ -207,7 +207,8 @@ def _causal_mask(tq: int, tk: int, window: int | None = None) -> torch.Tensor:
     return (kpos <= qpos) & (kpos > qpos - window) if window else kpos <= qpos
 
 
-def _exact_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None = None) -> torch.Tensor:
+def _exact_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                            window: int | None = None) -> torch.Tensor:
     """float64 attention of q [Tq, H, D], the last Tq of the Tk positions of k, v [Tk, KV, D]."""
     tq, heads, dim = q.shape
     tk, kv_heads, _ = k.shape

@@ -242,7 +242,8 @@ def _model_seconds(timer: Timer, groups: list[LayerGroup], rows: int, warm_up: b
     for g in groups:
         if g.lm_head and rows > timer.sampled_rows:
             continue
-        x, layers = torch.randn(rows, g.layer.in_features), g.streamed() if rows <= STREAMED_MAX_ROWS else g.layers[:1]
+        layers = g.streamed() if rows <= STREAMED_MAX_ROWS else g.layers[:1]
+        x = torch.randn(rows, g.layer.in_features)
         total += g.count / len(layers) * timer.seconds(lambda: [layer(x) for layer in layers], warm_up)
     return total
 
