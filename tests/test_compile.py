@@ -30,9 +30,15 @@ def eager_tokens(qwen2_dir, cache_dir, tmp_path_factory):
 
 
 def test_compiled_fullgraph_forward_matches_eager(qwen2_dir, cache_dir, tmp_path, eager_tokens):
+    """...and compiles two graphs for it: the prompts' prefill and decode, whose batch and block
+    tables change size from step to step without compiling again."""
+    from torch._dynamo.utils import counters
+
     llm = make(qwen2_dir, cache_dir, tmp_path, compile_mode="default", compile_fullgraph=True, cpu_kernels=False)
     assert llm.llm_engine.runner.model_forward.compiled is not None
+    counters.clear()
     assert tokens(llm) == eager_tokens
+    assert counters["stats"]["unique_graphs"] == 2
     assert llm.llm_engine.runner.model_forward.compiled is not None  # it really ran compiled
     assert any((tmp_path / "inductor").iterdir())  # and used the configured cache directory
 

@@ -43,7 +43,11 @@ class CompiledForward:
     def __call__(self, *args: Any) -> Any:
         if self.compiled is not None:
             try:
-                return self.compiled(*args)
+                # Without duck sizing: two sizes that happen to be equal when a shape is first traced
+                # (a decode batch of 3 whose block tables are 3 wide) would share one symbol, and the
+                # next step where they differ would compile the same graph again.
+                with torch.fx.experimental._config.patch(use_duck_shape=False):
+                    return self.compiled(*args)
             except Exception as exc:  # compilation (not the model) failed: serve eager instead
                 log.warning("torch.compile (mode=%s) failed, running eager from now on: %s", self.mode,
                             first_line(exc))
