@@ -336,6 +336,38 @@ def test_the_amx_level_asks_linux_for_the_tiles_and_falls_back_when_refused(cach
         assert "Linux did not let Anna use the AMX tiles" in caplog.text
 
 
+@pytest.mark.parametrize("build", ["emulated", "native"])
+def test_the_amx_builds_tiles_pass_their_self_check_in_a_child_process(build, cache_dir):
+    """The self-check (the tiles against the lanes on fixed data, bit for bit) passes on the build
+    that runs here: the emulated one on an AVX-512 VNNI CPU, the native one on an AMX CPU."""
+    from anna.platforms.cpu.kernels import amx_self_check
+    from conftest import amx_kernels
+
+    assert amx_self_check(amx_kernels(build, cache_dir).library) == ""
+
+
+@pytest.mark.parametrize("body, why", [
+    ("__builtin_trap();", "died of SIGILL in their self-check"),  # a tile instruction the CPU lacks
+    ("return 3;", "gave 3 outputs unlike the avx512_vnni path's in their self-check"),
+    ("return -1;", "were refused the tiles by Linux in their self-check"),
+])
+def test_a_failed_amx_self_check_is_reported_not_fatal(body, why, tmp_path):
+    """What the child process ends with is what the warning says; this process lives on."""
+    import shutil
+    import subprocess
+
+    from anna.platforms.cpu.kernels import amx_self_check
+
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        pytest.skip("no C compiler to build the stand-in library")
+    source, library = tmp_path / "check.c", tmp_path / "check.so"
+    source.write_text(f"int anna_amx_self_check(void) {{ {body} }}\n")
+    subprocess.run([compiler, "-shared", "-fPIC", "-o", str(library), str(source)], check=True)
+    assert amx_self_check(library) == why
+    assert amx_self_check(tmp_path / "missing.so").startswith("could not run their self-check (OSError")
+
+
 def test_a_compiler_without_amx_runs_the_avx512_vnni_build(cache_dir, tmp_path, monkeypatch, caplog):
     """Where Linux grants the tiles but the C compiler cannot build AMX code (GCC before 11), the
     avx512_vnni build runs, not torch's kernels. The compiler here refuses -mamx-tile; Linux's

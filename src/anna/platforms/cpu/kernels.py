@@ -11,7 +11,9 @@ import hashlib
 import logging
 import os
 import shutil
+import signal
 import subprocess
+import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
@@ -114,6 +116,7 @@ class CpuKernels:
 
     def __init__(self, library: Path, level: str = "avx2") -> None:
         self.level = level  # the kernel level it was built for (LEVEL_CFLAGS)
+        self.library = library
         self.build_id = library.stem  # the level and the hash of the sources and flags
         lib = ctypes.CDLL(str(library))
         p, i, l, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
@@ -410,10 +413,32 @@ def build_cpu_kernels(cache_dir: str | Path, compiler: str = "", isa: CpuIsa | N
                     os.strerror(refused))
         level = "avx512_vnni"
     kernels = load_kernels(cache_dir, compiler, level, LEVEL_CFLAGS[level])
-    if kernels is None and level == "amx":  # (a compiler without -mamx-tile: GCC before 11, Clang before 12)
-        log.warning("The amx level's kernels could not be built: running the avx512_vnni level's")
-        kernels = load_kernels(cache_dir, compiler, "avx512_vnni", LEVEL_CFLAGS["avx512_vnni"])
+    if level == "amx":
+        why = "could not be built" if kernels is None else amx_self_check(kernels.library)
+        if why:  # (not built: a compiler without -mamx-tile, GCC before 11 or Clang before 12)
+            log.warning("The amx level's kernels %s: running the avx512_vnni level's", why)
+            kernels = load_kernels(cache_dir, compiler, "avx512_vnni", LEVEL_CFLAGS["avx512_vnni"])
     return kernels
+
+
+def amx_self_check(library: Path, timeout_s: float = 60.0) -> str:
+    """Run the amx build's self-check (csrc/quant_kernels.c: its tiles against the lanes on fixed
+    data) in a child process, where a fault cannot take the server down: '' when it passes, else
+    what went wrong, worded to follow "The amx level's kernels"."""
+    code = "import ctypes, sys; sys.exit(ctypes.CDLL(sys.argv[1]).anna_amx_self_check() & 0xFF)"
+    try:
+        done = subprocess.run([sys.executable, "-c", code, str(library)], capture_output=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return f"did not finish their self-check in {timeout_s:.0f} s"
+    if done.returncode == 0:
+        return ""
+    if done.returncode < 0:
+        return f"died of {signal.Signals(-done.returncode).name} in their self-check"
+    if done.returncode == 0xFF:
+        return "were refused the tiles by Linux in their self-check"
+    if done.stderr:  # the library could not be loaded or has no self-check
+        return f"could not run their self-check ({done.stderr.decode(errors='replace').strip().splitlines()[-1]})"
+    return f"gave {done.returncode} outputs unlike the avx512_vnni path's in their self-check"
 
 
 # Linux (5.16 on) enables AMX's tile data per process on request, arch_prctl(ARCH_REQ_XCOMP_PERM,

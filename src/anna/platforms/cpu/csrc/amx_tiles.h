@@ -103,10 +103,17 @@ static inline void amx_emulated_dpbsud(int dst, int a, int b) {
 #define AMX_ZERO(t) amx_emulated_zero(t)
 #define AMX_DPBSUD(dst, a, b) amx_emulated_dpbsud(dst, a, b)
 #define AMX_RELEASE() (amx_emulated_configured = 0)
+#define AMX_REQUEST_TILES() 0
 
 #else  /* the instructions */
 
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+/* Linux's per-process permission for the tile data state (arch_prctl ARCH_REQ_XCOMP_PERM,
+ * XFEATURE_XTILEDATA; kernels.py asks the same from Python): 0 when granted */
+#define AMX_REQUEST_TILES() (syscall(SYS_arch_prctl, 0x1023L, 18L) == 0 ? 0 : -1)
 
 #define AMX_LOAD_CONFIG(cfg) _tile_loadconfig(cfg)
 #define AMX_LOAD(t, base, stride) _tile_loadd(t, base, stride)

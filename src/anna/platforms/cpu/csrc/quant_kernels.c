@@ -479,6 +479,36 @@ static void run_int4(const int8_t *xq, const float *xs, const int32_t *xo, const
     }
 }
 
+#if ANNA_AMX
+/* The tiles against the lanes (the int4 path of the levels below amx) on fixed data, which must
+ * agree to the bit: 0 when they do, the number of outputs that differ (at most 100) when not, -1
+ * when Linux refuses the tiles. kernels.py runs it in a child process before it trusts the amx
+ * level, so that a CPU or hypervisor whose tiles misbehave costs a warning, not a crash or wrong
+ * tokens. 20 rows of x (a full tile and a short one), 2 units of 16 weight rows, 4 runs of 32
+ * columns with a scale per run. */
+int anna_amx_self_check(void) {
+    enum { M = 20, N = 4 * LANE_ROWS, K = 128, G = 32, BLOCKS = K / 32 };
+    if (AMX_REQUEST_TILES() != 0) return -1;
+    static float x[M * K], tiles_y[M * N], lanes_y[M * N], bias[N];
+    static int8_t xq[(M + AMX_ROWS) * K];  /* zero past row M: a tile reads 16 rows */
+    static float xs[M * BLOCKS];
+    static int32_t xo[M * BLOCKS];
+    static uint8_t w[N * K / 2];
+    static uint16_t ws[N * (K / G)];
+    for (long i = 0; i < M * K; i++) x[i] = sinf(0.37f * (float)i) * (float)(1 + i % 7);
+    for (long i = 0; i < N * K / 2; i++) w[i] = (uint8_t)(i * 37 + 11);
+    for (long i = 0; i < N * (K / G); i++) ws[i] = (uint16_t)(0x3000 + (i * 53) % 0x800);  /* 0.125 .. 0.5 */
+    for (long i = 0; i < N; i++) bias[i] = 0.25f * (float)(i % 5) - 0.5f;
+    for (long m = 0; m < M; m++) quantize_x_row(x + m * K, xq + m * K, xs + m * BLOCKS, xo + m * BLOCKS, K);
+    long unit = 2 * LANE_ROWS;
+    run_int4_amx(xq, xs, xo, w, ws, bias, tiles_y, M, N, K, G, 0, N / unit);
+    for (long u = 0; u < N / unit; u++) run_lanes(2, xq, xs, xo, w, ws, bias, lanes_y, N, K, G, u * unit, 0, M);
+    int differ = 0;
+    for (long i = 0; i < M * N; i++) differ += memcmp(&tiles_y[i], &lanes_y[i], sizeof(float)) != 0;
+    return differ < 100 ? differ : 100;
+}
+#endif
+
 /* Several matmuls in one parallel region: group g multiplies rows [starts[g], starts[g + 1]) of x
  * by the weights w[g] (scales ws[g], bias[g] or none) into the same rows of y. Every group has the
  * same N and K. x is quantized once, and the units of all groups form one range that the threads
