@@ -433,7 +433,11 @@ def amx_self_check(library: Path, timeout_s: float = 60.0) -> str:
     if done.returncode == 0:
         return ""
     if done.returncode < 0:
-        return f"died of {signal.Signals(-done.returncode).name} in their self-check"
+        try:
+            name = signal.Signals(-done.returncode).name
+        except ValueError:  # a real-time signal has no name
+            name = f"signal {-done.returncode}"
+        return f"died of {name} in their self-check"
     if done.returncode == 0xFF:
         return "were refused the tiles by Linux in their self-check"
     if done.stderr:  # the library could not be loaded or has no self-check
