@@ -188,6 +188,8 @@ def engine_settings(model_dir, cache_dir, **overrides):
 SERVER_API_KEY = "test-key-123"
 SERVER_MODEL = "tiny-qwen2"
 SERVER_MODEL_ALIAS = "qwen-alias"  # a second --served-model-name
+LIVE_SERVER_ARGS = ("--served-model-name", SERVER_MODEL, SERVER_MODEL_ALIAS, "--api-key", SERVER_API_KEY,
+                    "--num-gpu-blocks-override", "96", "--max-n", "4")
 
 
 def free_port() -> int:
@@ -242,8 +244,7 @@ def stop_server(proc) -> int:
 def live_server(qwen2_dir, cache_dir, tmp_path_factory):
     """A real `anna serve` process on 127.0.0.1 with the tiny Qwen2 model and an API key."""
     log = tmp_path_factory.mktemp("server") / "server.log"
-    proc, base = launch_server(qwen2_dir, cache_dir, log, "--served-model-name", SERVER_MODEL, SERVER_MODEL_ALIAS,
-                               "--api-key", SERVER_API_KEY, "--num-gpu-blocks-override", "96", "--max-n", "4")
+    proc, base = launch_server(qwen2_dir, cache_dir, log, *LIVE_SERVER_ARGS)
     yield base
     stop_server(proc)
 

@@ -19,7 +19,7 @@ import schemathesis
 
 from anna.core.config import ServeSettings
 from anna.server.app import create_app
-from conftest import SERVER_API_KEY, SERVER_MODEL, SERVER_MODEL_ALIAS, launch_server, stop_server
+from conftest import LIVE_SERVER_ARGS, launch_server, stop_server
 from test_server import auth, wait_idle
 
 pytestmark = pytest.mark.fuzz
@@ -34,9 +34,8 @@ def fuzz_server(qwen2_dir, cache_dir, tmp_path_factory):
     """The session's live server's settings, with generation capped at MAX_NEW_TOKENS."""
     folder = tmp_path_factory.mktemp("fuzz_generation_config")
     (folder / "generation_config.json").write_text(json.dumps({"max_new_tokens": MAX_NEW_TOKENS}))
-    proc, base = launch_server(qwen2_dir, cache_dir, folder / "server.log", "--served-model-name", SERVER_MODEL,
-                               SERVER_MODEL_ALIAS, "--api-key", SERVER_API_KEY, "--num-gpu-blocks-override", "96",
-                               "--max-n", "4", "--generation-config", str(folder))
+    proc, base = launch_server(qwen2_dir, cache_dir, folder / "server.log", *LIVE_SERVER_ARGS,
+                               "--generation-config", str(folder))
     yield base
     stop_server(proc)
 
