@@ -17,8 +17,8 @@ build of the kernels (an earlier commit's), alternated with this tree's on the s
     python benchmarks/attention_bench.py --prefill --contexts 512 2048
 
 --prefill: a prompt's causal attention over itself instead (one layer, --contexts tokens): Anna's
-kernel (csrc/prefill_attention.c, fp32) against torch's SDPA in fp32 and in bf16, alternated,
-best of --repeats, in ms per layer and GFLOPS.
+kernel (csrc/prefill_attention.c) in fp32 and in bf16 (vdpbf16ps: run it on a CPU with AVX512-BF16)
+against torch's SDPA in fp32 and in bf16, alternated, best of --repeats, in ms per layer and GFLOPS.
 """
 
 from __future__ import annotations
@@ -65,6 +65,7 @@ def prefill_rows(kernels, contexts: list[int], heads: int, kv_heads: int, dim: i
         return run
 
     paths = {"anna_fp32": lambda q, k, v: kernels.causal_attention(q, k, v, dim ** -0.5),
+             "anna_bf16": lambda q, k, v: kernels.causal_attention(q, k, v, dim ** -0.5, bf16=True),
              "torch_sdpa_fp32": sdpa(torch.float32), "torch_sdpa_bf16": sdpa(torch.bfloat16)}
     rows = []
     for tokens in contexts:

@@ -138,9 +138,10 @@ def test_the_bf16_mlp_keeps_its_intermediate_in_bf16(bias):
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3_moe"])
 def test_bf16_prefill_logits_stay_with_transformers(arch, hf_models, cache_dir, tmp_path):
     """A bf16 checkpoint, a 200-token prompt (every matmul past the weight-streaming kernel's 128
-    rows): Anna's prefill logits, with large bf16 matmuls in bf16 and in fp32, are no farther from
-    the exact result (transformers in fp32 on the same bf16 weights) than transformers' own bf16
-    run is, and pick the same top token as often."""
+    rows): Anna's prefill logits, with large bf16 matmuls and prefill attention in bf16 (attention
+    on vdpbf16ps only where the CPU has AVX512-BF16) and in fp32, are no farther from the exact
+    result (transformers in fp32 on the same bf16 weights) than transformers' own bf16 run is, and
+    pick the same top token as often."""
     from anna import LLM
     from conftest import VOCAB, save_hf_model
     from helpers import hf_logits, run_logits
@@ -157,6 +158,7 @@ def test_bf16_prefill_logits_stay_with_transformers(arch, hf_models, cache_dir, 
                   num_gpu_blocks_override=64)
         ops = llm.llm_engine.runner.model.norm.ops  # the one ops object every layer calls
         ops.routing = dataclasses.replace(ops.routing, bf16_matmul=bf16)
+        ops.attention_dtype = torch.bfloat16 if bf16 and detect_isa().bf16_matmul else torch.float32
         got[bf16] = run_logits(llm.llm_engine, prompt, 0)[0][: len(prompt)].float()
 
     def error(logits: torch.Tensor) -> tuple[float, float]:
@@ -253,6 +255,7 @@ def test_int4_dequantized_gemm_in_bf16_stays_with_fp32(hf_models, cache_dir, tmp
                   int4_cache_dir=str(tmp_path / "int4"))
         ops = llm.llm_engine.runner.model.norm.ops
         ops.routing = dataclasses.replace(ops.routing, bf16_matmul=bf16)
+        ops.attention_dtype = torch.bfloat16 if bf16 and detect_isa().bf16_matmul else torch.float32
         got[bf16] = run_logits(llm.llm_engine, prompt, 0)[0][: len(prompt)].float()
     rel = ((got[True] - got[False]).norm() / got[False].norm()).item()
     assert 0 < rel < 0.01, rel

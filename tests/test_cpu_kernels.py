@@ -219,6 +219,25 @@ def _exact_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return (torch.softmax(scores, dim=-1) @ vd).transpose(0, 1)
 
 
+def _torch_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                            window: int | None = None) -> torch.Tensor:
+    """torch's SDPA in the inputs' dtype, with _exact_causal_attention's shapes and mask."""
+    mask = _causal_mask(q.shape[0], k.shape[0], window)
+    return F.scaled_dot_product_attention(*(t.transpose(0, 1)[None] for t in (q, k, v)), attn_mask=mask,
+                                          enable_gqa=True)[0].transpose(0, 1)
+
+
+def _prefill_attention_cases(lengths: list[int]) -> list[tuple[int, int, int | None]]:
+    """(Tq, Tk, window): prompts of ``lengths`` over themselves; chunks after a cached prefix (the
+    last Tq of Tk positions); sliding windows that cut the context (a row's first key inside a key
+    block, or whole blocks before it skipped), over a prompt itself and after a prefix."""
+    cases = [(t, t, None) for t in lengths]
+    cases += [(tq, tk, None) for tk in (9, 64, 65, 200) for tq in (1, 7, 8, 9, 64) if tq < tk]
+    cases += [(t, t, w) for t in (9, 70, 130, 300) for w in (1, 5, 8, 64, 100) if w < t]
+    cases += [(tq, tk, w) for tk, tq in ((65, 1), (200, 9), (200, 64), (300, 130)) for w in (3, 64, 70)]
+    return cases
+
+
 @pytest.mark.parametrize("heads, kv_heads, dim", [(14, 2, 64), (4, 4, 128), (6, 3, 72), (2, 1, 8)])
 def test_causal_prefill_attention_matches_torch_at_every_length(kernels, heads, kv_heads, dim):
     """A prompt's causal attention over itself against an exact softmax in float64, no further
@@ -230,20 +249,49 @@ def test_causal_prefill_attention_matches_torch_at_every_length(kernels, heads, 
     context (a row's first key inside a key block, or whole blocks before it skipped), over a
     prompt itself and after a prefix."""
     g = torch.Generator().manual_seed(4)
-    cases = [(t, t, None) for t in [*range(1, 131), 300]]
-    cases += [(tq, tk, None) for tk in (9, 64, 65, 200) for tq in (1, 7, 8, 9, 64) if tq < tk]
-    cases += [(t, t, w) for t in (9, 70, 130, 300) for w in (1, 5, 8, 64, 100) if w < t]
-    cases += [(tq, tk, w) for tk, tq in ((65, 1), (200, 9), (200, 64), (300, 130)) for w in (3, 64, 70)]
-    for tokens, context, window in cases:
+    for tokens, context, window in _prefill_attention_cases([*range(1, 131), 300]):
         q = torch.randn(tokens, heads, dim, generator=g) * 4
         k, v = (torch.randn(context, kv_heads, dim, generator=g) * 4 for _ in range(2))
         got = kernels.causal_attention(q, k, v, dim ** -0.5, window)
-        sdpa = F.scaled_dot_product_attention(*(t.transpose(0, 1)[None] for t in (q, k, v)),
-                                              attn_mask=_causal_mask(tokens, context, window),
-                                              enable_gqa=True)[0].transpose(0, 1)
+        sdpa = _torch_causal_attention(q, k, v, window)
         want = _exact_causal_attention(q, k, v, window)
         error, torch_error = ((t.double() - want).abs().max().item() for t in (got, sdpa))
         assert error <= 2 * torch_error + 2e-5, (tokens, context, window, error, torch_error)
+
+
+@pytest.mark.parametrize("heads, kv_heads, dim", [(14, 2, 64), (4, 4, 128), (6, 3, 80), (2, 1, 16)])
+def test_bf16_prefill_attention_is_exact_attention_of_the_rounded_inputs(kernels, heads, kv_heads, dim):
+    """bf16=True (vdpbf16ps) against an exact float64 softmax of q, k, v rounded to bf16, no further
+    from it than torch's SDPA run in bf16 on them (its largest error + 1e-3): the lengths, cached
+    prefixes and sliding windows of the fp32 test above, on head sizes that are whole 64-column
+    passes, 64 + 16 and a single vector. The kernel only rounds its inputs and the probabilities,
+    so it stays much nearer the exact result than the fp32 kernel on the unrounded inputs is."""
+    bf16_dot(kernels)
+    g = torch.Generator().manual_seed(5)
+    for tokens, context, window in _prefill_attention_cases([*range(1, 131, 3), 130, 300]):
+        q = torch.randn(tokens, heads, dim, generator=g) * 4
+        k, v = (torch.randn(context, kv_heads, dim, generator=g) * 4 for _ in range(2))
+        qb, kb, vb = (t.bfloat16() for t in (q, k, v))
+        got = kernels.causal_attention(q, k, v, dim ** -0.5, window, bf16=True)
+        sdpa = _torch_causal_attention(qb, kb, vb, window)
+        want = _exact_causal_attention(qb.float(), kb.float(), vb.float(), window)
+        fp32 = kernels.causal_attention(q, k, v, dim ** -0.5, window)
+        error, torch_error, fp32_error = ((t.double() - want).abs().max().item() for t in (got, sdpa, fp32))
+        assert error <= torch_error + 1e-3, (tokens, context, window, error, torch_error)
+        if tokens > 1:  # (one query sees one key: every path returns its value row)
+            assert error < fp32_error, (tokens, context, window, error, fp32_error)
+
+
+def test_bf16_prefill_attention_runs_fp32_where_it_cannot_run_bf16(kernels):
+    """The avx2 build, and a head size that is not a multiple of 16, run the fp32 kernel for bf16=True."""
+    if kernels.level != "avx2":
+        bf16_dot(kernels)  # (an AVX-512 build asked for bf16 on a CPU without it would fault)
+    g = torch.Generator().manual_seed(6)
+    for dim in (64, 72):
+        q, k, v = (torch.randn(40, 2, dim, generator=g) for _ in range(3))
+        fp32 = kernels.causal_attention(q, k, v, dim ** -0.5)
+        same = kernels.level == "avx2" or dim % 16
+        assert torch.equal(kernels.causal_attention(q, k, v, dim ** -0.5, bf16=True), fp32) == bool(same), dim
 
 
 @pytest.mark.parametrize("norm_dtype", [torch.float32, torch.bfloat16])

@@ -129,7 +129,7 @@ class CpuKernels:
         lib.anna_silu_mul.argtypes = [p, p, l, l, i, i]
         lib.anna_paged_decode_attention.argtypes = [p, p, p, p, p, l, p, l, l, l, l, l, l, f, p, i]
         lib.anna_kv_write.argtypes = [p, p, l, l, l, p, p, l]
-        lib.anna_causal_attention.argtypes = [p, p, p, p, l, l, l, l, l, f, l, i]
+        lib.anna_causal_attention.argtypes = [p, p, p, p, l, l, l, l, l, f, l, i, i]
         lib.anna_qgemm.argtypes = [p, p, p, i, l, p, p, l, l, l, i]
         lib.anna_qgemm_experts.argtypes = [p, p, p, p, p, l, i, l, p, l, l, i]
         lib.anna_dequant.argtypes = [p, p, i, l, p, l, l, l, p, i, i]
@@ -357,15 +357,17 @@ class CpuKernels:
         return out
 
     def causal_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                         window: int | None = None) -> torch.Tensor:
+                         window: int | None = None, bf16: bool = False) -> torch.Tensor:
         """Causal attention of the last Tq of Tk positions over all of them (csrc/prefill_attention.c):
         q [Tq, H, D], k, v [Tk, KV, D] -> fp32 [Tq, H, D]; D a multiple of 8. ``window``: each
-        query sees only its last ``window`` keys."""
+        query sees only its last ``window`` keys. ``bf16``: both products on vdpbf16ps (only on a
+        CPU with AVX512-BF16; the avx2 build, or D not a multiple of 16, runs fp32)."""
         q, k, v = (t.float().contiguous() for t in (q, k, v))
         tokens, heads, dim = q.shape
         out = torch.empty_like(q)
         self.lib.anna_causal_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), tokens, k.shape[0],
-                                       heads, k.shape[1], dim, scale, window or 0, torch.get_num_threads())
+                                       heads, k.shape[1], dim, scale, window or 0, int(bf16),
+                                       torch.get_num_threads())
         return out
 
     def kv_write(self, fmt: KVFormat, rows: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> None:

@@ -186,12 +186,14 @@ class CpuKernelOps(CpuTorchOps):
 
     def causal_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                          mask: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
-        """Anna's kernel, in fp32 whatever attention_dtype says: on a 2-core Zen 4 it ran 2.1x torch's
-        SDPA in fp32 or bf16 at 512 tokens, 1.2x at 2,048 (benchmarks/attention_bench.py --prefill)."""
+        """Anna's kernel: in bf16 (vdpbf16ps) where attention_dtype is bf16, which build_ops sets only
+        on CPUs with hardware bf16, else fp32. On a 2-core Zen 4 at 2,048 tokens the bf16 kernel ran
+        1.9x the fp32 one and 2.3x torch's SDPA in bf16 (benchmarks/attention_bench.py --prefill)."""
         if q.shape[-1] % 8:
             return super().causal_attention(q, k, v, scale, mask, window)
         with self.region("attention:prefill"):
-            return self.kernels.causal_attention(q, k, v, scale, window).to(q.dtype)
+            return self.kernels.causal_attention(q, k, v, scale, window,
+                                                 bf16=self.attention_dtype == torch.bfloat16).to(q.dtype)
 
     def decode_attention(self, q: torch.Tensor, cache: PagedKV, meta: AttentionMetadata, scale: float,
                          sliding_window: int | None) -> torch.Tensor:
