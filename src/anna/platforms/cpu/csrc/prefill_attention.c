@@ -182,7 +182,7 @@ static void pack_bf16(const float *q, const float *k, const float *v, uint16_t *
             }
         }
     #pragma omp for schedule(static)
-    for (long i = 0; i < Tq * H * D; i++) qb[i] = to_bf16(q[i]);
+    for (long i = 0; i < Tq * H * D; i += 8) store8_bf16(qb + i, _mm256_loadu_ps(q + i));  /* D % 16 == 0 */
 }
 
 /* D: a multiple of 8 (kernels.py routes other head sizes to torch); bf16 (see above) needs D a
