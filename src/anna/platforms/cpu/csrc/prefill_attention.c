@@ -84,8 +84,8 @@ static void add_weighted_rows(float *o, const float *p, int n, const float *v, l
 
 /* S[r][0..BK) = q_r . the block's BK keys for rows [r0, r0 + n) (n <= 4). kb: the block as bf16
  * pairs, [D / 2][BK][2] (pair i of key c: its dimensions 2i, 2i + 1), so one vector holds 16 keys'
- * pairs; qb: rows of q in bf16. */
-BF16_TARGET INLINE void score_tile_bf16(int n, const uint16_t *const *qb, const uint16_t *kb, long D, float *S,
+ * pairs; qr: rows of q in bf16. */
+BF16_TARGET INLINE void score_tile_bf16(int n, const uint16_t *const *qr, const uint16_t *kb, long D, float *S,
                                         long r0) {
     __m512 acc[ROWS_PER_TILE][BK / 16];
     for (int i = 0; i < n; i++)
@@ -94,7 +94,7 @@ BF16_TARGET INLINE void score_tile_bf16(int n, const uint16_t *const *qb, const 
         __m512bh k[BK / 16];
         for (int t = 0; t < BK / 16; t++) k[t] = (__m512bh)_mm512_loadu_si512(kb + (d / 2 * BK + 16 * t) * 2);
         for (int i = 0; i < n; i++) {
-            __m512bh qv = (__m512bh)PAIR(qb[i] + d);
+            __m512bh qv = (__m512bh)PAIR(qr[i] + d);
             for (int t = 0; t < BK / 16; t++) acc[i][t] = _mm512_dpbf16_ps(acc[i][t], k[t], qv);
         }
     }
@@ -136,13 +136,13 @@ BF16_TARGET static void weighted_rows_bf16(int n, const uint16_t *P, long c0, lo
 #undef WEIGHTED_CASE
 }
 
-BF16_TARGET static void score_rows_bf16(int n, const uint16_t *const *qb, const uint16_t *kb, long D, float *S,
+BF16_TARGET static void score_rows_bf16(int n, const uint16_t *const *qr, const uint16_t *kb, long D, float *S,
                                         long r0) {
     switch (n) {
-    case 1: score_tile_bf16(1, qb, kb, D, S, r0); break;
-    case 2: score_tile_bf16(2, qb, kb, D, S, r0); break;
-    case 3: score_tile_bf16(3, qb, kb, D, S, r0); break;
-    default: score_tile_bf16(4, qb, kb, D, S, r0); break;
+    case 1: score_tile_bf16(1, qr, kb, D, S, r0); break;
+    case 2: score_tile_bf16(2, qr, kb, D, S, r0); break;
+    case 3: score_tile_bf16(3, qr, kb, D, S, r0); break;
+    default: score_tile_bf16(4, qr, kb, D, S, r0); break;
     }
 }
 #endif
@@ -166,7 +166,7 @@ static void pack_fp32(const float *k, const float *v, float *kt, float *vh, long
 
 /* The bf16 layouts (zero-padded to whole blocks): K per head and block as pairs of dimensions,
  * [KV][T / BK][D / 2][BK][2]; V per head as pairs of keys, [KV][T / 2][D][2]; q row by row. */
-static void pack_bf16(const float *q, const float *k, const float *v, uint16_t *qb, uint16_t *kp, uint16_t *vp,
+static void pack_bf16(const float *q, const float *k, const float *v, uint16_t *qh, uint16_t *kp, uint16_t *vp,
                       long Tq, long H, long T, long KV, long D, long nkb) {
     long Tp = nkb * BK;
     #pragma omp for collapse(2) schedule(static)
@@ -182,7 +182,7 @@ static void pack_bf16(const float *q, const float *k, const float *v, uint16_t *
             }
         }
     #pragma omp for schedule(static)
-    for (long i = 0; i < Tq * H * D; i += 8) store8_bf16(qb + i, _mm256_loadu_ps(q + i));  /* D % 16 == 0 */
+    for (long i = 0; i < Tq * H * D; i += 8) store8_bf16(qh + i, _mm256_loadu_ps(q + i));  /* D % 16 == 0 */
 }
 
 /* D: a multiple of 8 (kernels.py routes other head sizes to torch); bf16 (see above) needs D a
@@ -196,9 +196,9 @@ void anna_causal_attention(const float *q, const float *k, const float *v, float
     bf16 = 0;
 #endif
     float *kt = NULL, *vh = NULL;
-    uint16_t *qb = NULL, *kp = NULL, *vp = NULL;
+    uint16_t *qh = NULL, *kp = NULL, *vp = NULL;  /* bf16: q, K, V rounded (pack_bf16) */
     if (bf16) {
-        qb = (uint16_t *)aligned_alloc(64, sizeof(uint16_t) * Tq * H * D + 64);
+        qh = (uint16_t *)aligned_alloc(64, sizeof(uint16_t) * Tq * H * D + 64);
         kp = (uint16_t *)aligned_alloc(64, sizeof(uint16_t) * KV * D * Tp);
         vp = (uint16_t *)aligned_alloc(64, sizeof(uint16_t) * KV * D * Tp);
     } else {
@@ -208,27 +208,27 @@ void anna_causal_attention(const float *q, const float *k, const float *v, float
     #pragma omp parallel num_threads(threads)
     {
         if (bf16)
-            pack_bf16(q, k, v, qb, kp, vp, Tq, H, T, KV, D, nkb);
+            pack_bf16(q, k, v, qh, kp, vp, Tq, H, T, KV, D, nkb);
         else
             pack_fp32(k, v, kt, vh, T, KV, D, nkb);
         long max_rows = BQ * G;
         float *S = (float *)aligned_alloc(64, sizeof(float) * max_rows * BK);
         float *O = (float *)aligned_alloc(64, sizeof(float) * max_rows * D);
-        uint16_t *P = (uint16_t *)aligned_alloc(64, sizeof(uint16_t) * max_rows * BK);  /* bf16: S's probabilities */
+        uint16_t *P = bf16 ? (uint16_t *)aligned_alloc(64, sizeof(uint16_t) * max_rows * BK) : NULL;  /* S's probabilities */
         float *row_max = (float *)malloc(sizeof(float) * max_rows), *row_sum = (float *)malloc(sizeof(float) * max_rows);
         long *row_lo = (long *)malloc(sizeof(long) * max_rows), *row_end = (long *)malloc(sizeof(long) * max_rows);
         const float **qr = (const float **)malloc(sizeof(float *) * (max_rows + ROWS_PER_TILE));
         const uint16_t **qbr = (const uint16_t **)malloc(sizeof(uint16_t *) * max_rows);
         #pragma omp for schedule(dynamic, 1)
         for (long item = 0; item < KV * nqb; item++) {
-            long qb_ = nqb - 1 - item / KV, g = item % KV;  /* the longest rows first */
-            long p0 = qb_ * BQ, np = min_l(BQ, Tq - p0), rows = np * G, end = offset + p0 + np;
+            long qb = nqb - 1 - item / KV, g = item % KV;  /* the longest rows first */
+            long p0 = qb * BQ, np = min_l(BQ, Tq - p0), rows = np * G, end = offset + p0 + np;
             long first_key = window > 0 && offset + p0 >= window ? offset + p0 - window + 1 : 0;  /* the first row's */
             /* row r: query p0 + r / G (position offset + p0 + r / G), head g * G + r % G */
             for (long r = 0; r < rows; r++) {
                 long row = (p0 + r / G) * H + g * G + r % G;
                 qr[r] = q + row * D;
-                if (bf16) qbr[r] = qb + row * D;
+                if (bf16) qbr[r] = qh + row * D;
                 row_max[r] = -INFINITY;
                 row_sum[r] = 0.0f;
             }
@@ -326,7 +326,7 @@ void anna_causal_attention(const float *q, const float *k, const float *v, float
     }
     free(kt);
     free(vh);
-    free(qb);
+    free(qh);
     free(kp);
     free(vp);
 }
