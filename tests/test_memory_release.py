@@ -4,6 +4,7 @@ outputs after a release are the same."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from anna.core.sampling_params import SamplingParams
 from anna.runtime.engine import LLMEngine
@@ -106,3 +107,77 @@ def test_periodic_sweep_releases_an_idle_gap(qwen2_dir, cache_dir):
 def test_bad_release_settings_are_rejected(qwen2_dir, cache_dir, bad):
     with pytest.raises(ValueError):
         make(qwen2_dir, cache_dir, **bad)
+
+
+def commit_all(engine: LLMEngine) -> int:
+    """Run commit-ahead with no time to spare until it has nothing left to do, as the server's idle
+    loop does; returns how many calls had more to do (with no time, one layer's K and V each)."""
+    calls = 0
+    while engine.commit_idle_memory(0.0):
+        calls += 1
+    return calls
+
+
+def test_idle_engine_commits_fresh_kv_ahead_of_use(qwen2_dir, cache_dir):
+    """An idle engine writes fresh chunks, lowest first, up to kv_commit_ahead_mib: RAM really goes up
+    by that much, one layer per call when the time slice is spent, and a request's blocks then come from
+    the committed chunks, after which the engine commits more to keep the margin."""
+    make(qwen2_dir, cache_dir)  # compile kernels, import everything first
+    engine = make(qwen2_dir, cache_dir, kv_commit_ahead_mib=0)
+    assert not engine.commit_idle_memory(1.0) and engine.memory.resident_bytes() == 0  # off
+
+    engine = make(qwen2_dir, cache_dir, kv_commit_ahead_mib=4)
+    memory = engine.memory
+    chunk_bytes = memory.chunk_blocks * memory.block_bytes
+    ahead = int(4 * 2**20 // chunk_bytes)
+    assert ahead >= 2
+    before = rss_bytes()
+    layers = len(memory.kv_caches)
+    assert commit_all(engine) == ahead * layers  # a zero time slice: one layer's K and V per call
+    assert memory.ahead == memory.resident == set(range(ahead))
+    assert rss_bytes() - before > 0.8 * ahead * chunk_bytes  # the pages are really committed
+    assert not engine.commit_idle_memory(1.0)  # the margin is there: nothing more to do
+
+    engine.add_request("r", [5] * 100, SamplingParams(max_tokens=2, ignore_eos=True))  # 7 blocks, in chunk 0
+    engine.step()
+    assert 0 not in memory.ahead and memory.resident == set(range(ahead))
+    commit_all(engine)
+    assert memory.ahead == set(range(1, ahead + 1))  # one more chunk keeps the margin
+    drain(engine)
+    assert_pool_free(engine)
+
+
+def test_commit_ahead_never_writes_blocks_in_use_nor_undoes_a_release(qwen2_dir, cache_dir):
+    """A chunk that a request starts using while it is half committed is left alone, committing
+    between steps leaves the request's blocks as they are and its output the same, and chunks a
+    release returned are not committed again."""
+    prompt = [5 + (i * 11) % 600 for i in range(300)]  # 19 blocks: chunks 0 and 1
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    reference = make(qwen2_dir, cache_dir)
+    reference.add_request("r", prompt, params)
+    expected = drain(reference)["r"]
+
+    engine = make(qwen2_dir, cache_dir, kv_commit_ahead_mib=4)  # 32 of the 256 chunks
+    memory = engine.memory
+    assert engine.commit_idle_memory(0.0)  # chunk 0's first layer, then the time slice is spent
+    assert memory.partial == (0, 1)
+    engine.add_request("r", prompt, params)
+    engine.step()  # the prompt's blocks come from chunks 0 and 1
+    assert memory.partial is None and {0, 1} <= memory.resident and not memory.ahead
+    in_use = slice(0, 2 * memory.chunk_blocks)
+    k, v = memory.kv_caches[-1]
+    k_before, v_before = k[in_use].clone(), v[in_use].clone()
+    assert k_before.abs().sum() > 0  # the request's K of the last layer, which commit-ahead never reached
+    commit_all(engine)
+    assert memory.ahead and min(memory.ahead) >= 2
+    assert torch.equal(k[in_use], k_before) and torch.equal(v[in_use], v_before)
+    assert drain(engine)["r"] == expected
+
+    committed = set(memory.ahead)
+    memory.policy.min_free_mib = 0
+    assert memory.release("test")["kv_chunks"] > 0 and not memory.resident and not memory.ahead
+    commit_all(engine)
+    assert memory.ahead and min(memory.ahead) > max(committed)  # released chunks stay released
+    engine.add_request("again", prompt, params)
+    assert drain(engine)["again"] == expected
+    assert_pool_free(engine)

@@ -118,9 +118,13 @@ def test_continuous_batching_and_prefix_caching(arch, speculative, hf_models, ca
     path = str(hf_models[arch][1])
     want = [o.outputs[0].token_ids for o in LLM(path, **kw).generate(prompts, params)]
     threads = torch.get_num_threads()
-    llm = LLM(path, tensor_parallel_size=2, **kw)
+    llm = LLM(path, tensor_parallel_size=2, kv_release_chunk_blocks=16, **kw)
     assert torch.get_num_threads() == max(1, threads // 2)  # rank 0's share of the cores
     try:
+        # as an idle server does: every rank commits fresh chunks ahead of use, layer by layer
+        while llm.llm_engine.commit_idle_memory(0.0):
+            pass
+        assert llm.llm_engine.memory.ahead == {0, 1, 2, 3}
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
         snap = llm.llm_engine.snapshot()
         assert got == want

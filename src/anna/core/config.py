@@ -187,6 +187,9 @@ class ServeSettings:
     memory_release_max_gap_mib: float | None = _setting(
         1024.0, "Periodic check: release when resident-but-unused KV memory exceeds this (MiB); 0 = off.")
     kv_release_chunk_blocks: int | None = _setting(64, "KV blocks per chunk, the unit memory is returned in.")
+    kv_commit_ahead_mib: float | None = _setting(
+        256.0, "An idle server commits this much fresh KV memory (MiB) ahead of use, so that no decode step waits "
+               "on the page faults of first writes (CPU; at most memory_release_max_gap_mib); 0 = off.")
     state_snapshots: int | None = _setting(
         -1, "Models with recurrent layers (Qwen3.5, Qwen3-Next): states kept at block boundaries of cached prefixes, "
             "which prefix reuse needs; -1 = auto (max_num_seqs), 0 = off (no prefix reuse for such models).",
@@ -325,6 +328,7 @@ SECTION_FIELDS: dict[str, tuple[str, ...]] = {
     "cache": ("block_size", "kv_cache_memory", "kv_cache_dtype", "num_gpu_blocks_override", "enable_prefix_caching",
               "memory_utilization", "min_free_memory_mib", "memory_release_sweep_interval_s",
               "memory_release_min_free_mib", "memory_release_max_gap_mib", "kv_release_chunk_blocks",
+              "kv_commit_ahead_mib",
               "state_snapshots", "prompt_cache_size", "prompt_cache_max_tokens"),
     "scheduler": ("max_num_seqs", "max_num_batched_tokens", "scheduler_profile", "prefill_interval_steps",
                   "scheduler_event_driven_prefill_insert", "skip_batch_wait_when_idle", "batch_wait_ms",

@@ -219,6 +219,14 @@ class ShardWorker:
             release_blocks(self.platform, kv_caches, first, count)
         self.platform.empty_cache()
 
+    def commit_blocks(self, layer: int, first: int, count: int) -> None:
+        """Commit the memory of these free blocks of one paged layer ahead of use, as rank 0 did
+        (runtime/memory_release.py)."""
+        from anna.runtime.memory_release import commit_blocks
+
+        kv_caches = [c for c in self.layer_caches if isinstance(c, tuple)]
+        commit_blocks(self.platform, kv_caches[layer:layer + 1], first, count)
+
     def profile(self, name: str, *args: Any) -> None:
         """One of runtime/memory.py's profile runs, as rank 0 runs it (GPUs: the memory plan)."""
         from anna.runtime import memory

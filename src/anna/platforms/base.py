@@ -106,6 +106,11 @@ class Platform:
         Device memory stays with the allocator (``empty_cache`` returns what it holds idle)."""
         return 0
 
+    def commit_pages(self, tensor: torch.Tensor, first: int, count: int) -> int:
+        """Commit the memory of rows [first, first+count) of a cache tensor, rows that hold nothing
+        (where pages_on_demand); bytes written. Device memory is committed when it is allocated."""
+        return 0
+
     # ---- tensors and weights ----
     def new_cache_tensor(self, shape: tuple[int, ...], dtype: torch.dtype, huge_pages: bool = False) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype, device=self.device)

@@ -277,7 +277,8 @@ def _build_engine_parts(s: ResolvedSettings, show_progress: bool, recalibrate: b
                          speculative=speculative, workers=workers)
     floor = c.memory_release_min_free_mib if c.memory_release_min_free_mib >= 0 else c.min_free_memory_mib
     memory = MemoryReleaser(kv, runner.kv_caches, prompt_cache, platform, c.kv_release_chunk_blocks,
-                            ReleasePolicy(c.memory_release_sweep_interval_s, floor, c.memory_release_max_gap_mib),
+                            ReleasePolicy(c.memory_release_sweep_interval_s, floor, c.memory_release_max_gap_mib,
+                                          c.kv_commit_ahead_mib),
                             workers)
     eos = frozenset(cfg.eos_token_ids or ([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []))
     structured = StructuredOutputCompiler(tokenizer.to_json(), cfg.vocab_size, sorted(eos),

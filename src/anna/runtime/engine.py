@@ -138,6 +138,11 @@ class LLMEngine:
         """From the idle loop: the memory releaser's check (see runtime/memory_release.py)."""
         self.memory.maybe_release(idle=True, periodic=periodic)
 
+    def commit_idle_memory(self, seconds: float) -> bool:
+        """From the idle loop: commit fresh KV memory ahead of use for up to ``seconds``; whether
+        there is more to do (see runtime/memory_release.py)."""
+        return self.memory.commit_ahead(seconds)
+
     def reset_stats(self) -> None:
         """Forget the counters and histograms (after warmup)."""
         self.scheduler.stats = EngineStats()

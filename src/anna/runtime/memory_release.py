@@ -8,6 +8,13 @@ returns every chunk none of whose blocks is in use: cached prefix blocks in it a
 its pages are dropped (the platform's ``release_pages``: madvise(MADV_DONTNEED) on CPU). It also
 empties the exact prompt cache and the device allocator's cache. Blocks in use are never touched.
 Free memory is the platform's (host RAM on CPU, device memory on a GPU).
+
+The other way round, an idle engine commits fresh chunks ahead of use (``commit_ahead``): the first
+write to a fresh page is a page fault, which in a VM can cost several milliseconds per 2 MB page,
+and a decode step whose new blocks start a page in every layer's K and V tensors waits for all of
+them at once (350 ms to 1 s measured on 2-vCPU VMs; docs/BENCHMARKS.md). Only chunks never
+resident are committed, in the order the pool hands fresh blocks out (ascending ids), so a release
+is never undone, and never past the allowed idle gap or under the free-memory floor.
 """
 
 from __future__ import annotations
@@ -33,11 +40,19 @@ class ReleasePolicy:
     sweep_interval_s: float = 30.0  # 0: no periodic sweeps
     min_free_mib: float = 1024.0  # release when free memory falls below this
     max_gap_mib: float = 1024.0  # release when resident-but-unused KV exceeds this; 0: off
+    commit_ahead_mib: float = 256.0  # an idle engine commits this much fresh KV ahead of use; 0: off
 
 
 def release_blocks(platform: Platform, kv_caches: list, first: int, count: int) -> int:
     """Hand the memory of blocks [first, first + count) of every paged layer back; bytes returned."""
     return sum(platform.release_pages(k, first, count) + platform.release_pages(v, first, count)
+               for k, v in kv_caches)
+
+
+def commit_blocks(platform: Platform, kv_caches: list, first: int, count: int) -> int:
+    """Commit the memory of blocks [first, first + count) of every paged layer (which must be free
+    and hold nothing); bytes written."""
+    return sum(platform.commit_pages(k, first, count) + platform.commit_pages(v, first, count)
                for k, v in kv_caches)
 
 
@@ -56,9 +71,19 @@ class MemoryReleaser:
         self.releases = 0
         kv.pool.on_allocate = self._touch
         self.resident: set[int] = set()  # chunk ids with pages that may be committed
+        self.ahead: set[int] = set()  # resident chunks committed ahead, none of whose blocks was handed out since
+        # chunks below this one have been resident, or are (the pool hands fresh blocks out in ascending
+        # order), so commit_ahead never goes back to a chunk a release returned
+        self.next_fresh = 0
+        self.partial: tuple[int, int] | None = None  # (chunk, layers done) of a chunk being committed ahead
 
     def _touch(self, block_id: int) -> None:
-        self.resident.add(block_id // self.chunk_blocks)
+        chunk = block_id // self.chunk_blocks
+        self.resident.add(chunk)
+        self.ahead.discard(chunk)
+        self.next_fresh = max(self.next_fresh, chunk + 1)
+        if self.partial is not None and self.partial[0] == chunk:
+            self.partial = None  # in use now: its other layers' pages are written as they are used
 
     def _chunk_in_use(self, chunk: int) -> bool:
         blocks = self.kv.pool.blocks[chunk * self.chunk_blocks:(chunk + 1) * self.chunk_blocks]
@@ -97,6 +122,9 @@ class MemoryReleaser:
             dropped += release_blocks(self.platform, self.kv_caches, first, count)
             released.append((first, count))
             self.resident.discard(chunk)
+            self.ahead.discard(chunk)
+            if self.partial is not None and self.partial[0] == chunk:
+                self.partial = None
             chunks += 1
         entries = self.prompt_cache.clear()
         self.platform.empty_cache()
@@ -123,3 +151,48 @@ class MemoryReleaser:
             reason = (f"free memory below {self.policy.min_free_mib:.0f} MiB"
                       if self.free_bytes() < self.policy.min_free_mib * MIB else None)
         return self.release(reason) if reason else None
+
+    def commit_ahead(self, seconds: float) -> bool:
+        """From the idle loop: commit fresh chunks, one layer's K and V at a time, until
+        ``commit_ahead_mib`` is committed ahead of use or ``seconds`` have passed (a request that
+        arrives meanwhile waits at most about that long). Returns whether there is more to do."""
+        target = self.policy.commit_ahead_mib * MIB
+        if self.policy.max_gap_mib > 0:
+            target = min(target, self.policy.max_gap_mib * MIB)
+        if target <= 0 or not self.platform.pages_on_demand:
+            return False
+        chunk_bytes = self.chunk_blocks * self.block_bytes
+        deadline = time.monotonic() + seconds
+        while True:
+            if self.partial is None:
+                floor = self.policy.min_free_mib * MIB
+                if (len(self.ahead) + 1) * chunk_bytes > target or self.free_bytes() - chunk_bytes < floor:
+                    return False
+                chunk = self._next_fresh_chunk()
+                if chunk is None:
+                    return False
+                self.partial = (chunk, 0)
+                self.resident.add(chunk)
+            chunk, layer = self.partial
+            first = chunk * self.chunk_blocks
+            count = min(self.chunk_blocks, self.kv.num_blocks - first)
+            commit_blocks(self.platform, self.kv_caches[layer:layer + 1], first, count)
+            if self.workers is not None:  # the other ranks' share of the same layer and blocks
+                self.workers.send("commit_blocks", layer, first, count)
+            if layer + 1 < len(self.kv_caches):
+                self.partial = (chunk, layer + 1)
+            else:
+                self.partial = None
+                self.ahead.add(chunk)
+            if time.monotonic() >= deadline:
+                return True
+
+    def _next_fresh_chunk(self) -> int | None:
+        """The lowest chunk that has never been resident and whose blocks are all free."""
+        chunks = -(-self.kv.num_blocks // self.chunk_blocks)
+        while self.next_fresh < chunks:
+            chunk = self.next_fresh
+            self.next_fresh += 1
+            if chunk not in self.resident and not self._chunk_in_use(chunk):
+                return chunk
+        return None

@@ -22,6 +22,10 @@ from anna.runtime.input_processor import ProcessedRequest
 
 log = logging.getLogger(__name__)
 
+# How long the idle loop commits fresh KV memory at a time before it looks for requests again: a
+# request that arrives meanwhile waits at most about this long (one layer's pages commit at a time)
+IDLE_COMMIT_SLICE_S = 0.02
+
 
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, on_dead: Callable[[BaseException], None] | None = None) -> None:
@@ -153,7 +157,8 @@ class AsyncEngine:
                 self._log_stats()
                 if not engine.has_unfinished_requests() and self._commands.empty():
                     engine.release_idle_memory(periodic=True)
-                    self._wake.wait(timeout=1.0)
+                    more = engine.commit_idle_memory(IDLE_COMMIT_SLICE_S)
+                    self._wake.wait(timeout=0.0 if more else 1.0)
                     self._wake.clear()
                     if self._stop:
                         break

@@ -111,6 +111,12 @@ class CpuPlatform(Platform):
             return 0
         return end - start
 
+    def commit_pages(self, tensor: torch.Tensor, first: int, count: int) -> int:
+        """Write zeros over the rows: each page's first write (its page fault) happens here."""
+        rows = tensor[first:first + count]
+        rows.zero_()
+        return rows.numel() * rows.element_size()
+
     def new_cache_tensor(self, shape: tuple[int, ...], dtype: torch.dtype, huge_pages: bool = False) -> torch.Tensor:
         """Untouched pages cost no RAM until a block is first written (torch.empty or mmap)."""
         if huge_pages:
