@@ -214,9 +214,8 @@ class ShardWorker:
         """Hand back the memory of these blocks, as rank 0 did (runtime/memory_release.py)."""
         from anna.runtime.memory_release import release_blocks
 
-        kv_caches = [c for c in self.layer_caches if isinstance(c, tuple)]
         for first, count in ranges:
-            release_blocks(self.platform, kv_caches, first, count)
+            release_blocks(self.platform, self._kv_caches(), first, count)
         self.platform.empty_cache()
 
     def commit_blocks(self, layer: int, first: int, count: int) -> None:
@@ -224,8 +223,11 @@ class ShardWorker:
         (runtime/memory_release.py)."""
         from anna.runtime.memory_release import commit_blocks
 
-        kv_caches = [c for c in self.layer_caches if isinstance(c, tuple)]
-        commit_blocks(self.platform, kv_caches[layer:layer + 1], first, count)
+        commit_blocks(self.platform, self._kv_caches()[layer:layer + 1], first, count)
+
+    def _kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The paged layers' (K, V), as rank 0's runner lists them (its kv_caches)."""
+        return [c for c in self.layer_caches if isinstance(c, tuple)]
 
     def profile(self, name: str, *args: Any) -> None:
         """One of runtime/memory.py's profile runs, as rank 0 runs it (GPUs: the memory plan)."""

@@ -80,10 +80,14 @@ class MemoryReleaser:
     def _touch(self, block_id: int) -> None:
         chunk = block_id // self.chunk_blocks
         self.resident.add(chunk)
-        self.ahead.discard(chunk)
         self.next_fresh = max(self.next_fresh, chunk + 1)
+        self._stop_committing(chunk)  # in use now: its other layers' pages are written as they are used
+
+    def _stop_committing(self, chunk: int) -> None:
+        """The chunk is no longer fresh memory held ahead of use (it was handed out or returned)."""
+        self.ahead.discard(chunk)
         if self.partial is not None and self.partial[0] == chunk:
-            self.partial = None  # in use now: its other layers' pages are written as they are used
+            self.partial = None
 
     def _chunk_in_use(self, chunk: int) -> bool:
         blocks = self.kv.pool.blocks[chunk * self.chunk_blocks:(chunk + 1) * self.chunk_blocks]
@@ -122,9 +126,7 @@ class MemoryReleaser:
             dropped += release_blocks(self.platform, self.kv_caches, first, count)
             released.append((first, count))
             self.resident.discard(chunk)
-            self.ahead.discard(chunk)
-            if self.partial is not None and self.partial[0] == chunk:
-                self.partial = None
+            self._stop_committing(chunk)
             chunks += 1
         entries = self.prompt_cache.clear()
         self.platform.empty_cache()
