@@ -3,11 +3,11 @@
  * of its own so that they come from memory as in the engine. Alternating within one process is
  * what makes a 5% difference visible on a machine whose speed moves 30% between runs.
  *
- *   git show HEAD~1:src/anna/model/kernels/quant_kernels.c > /tmp/base.c
- *   cc -O3 -mavx2 -mfma -mf16c -fopenmp -Isrc/anna/model/kernels -c /tmp/base.c -o /tmp/base.o
+ *   git show HEAD~1:src/anna/platforms/cpu/csrc/quant_kernels.c > /tmp/base.c
+ *   cc -O3 -mavx2 -mfma -mf16c -fopenmp -Isrc/anna/platforms/cpu/csrc -c /tmp/base.c -o /tmp/base.o
  *   objcopy --redefine-sym anna_qgemm=base_qgemm --redefine-sym anna_dequant=base_dequant /tmp/base.o
  *   cc -O3 -mavx2 -mfma -mf16c -fopenmp benchmarks/int4_kernel_ab.c /tmp/base.o \
- *      src/anna/model/kernels/quant_kernels.c -o /tmp/int4_ab
+ *      src/anna/platforms/cpu/csrc/quant_kernels.c -o /tmp/int4_ab
  *   /tmp/int4_ab 16      # rows of x (M): 1 for batch-1 decode, 16 for 16 streams
  *
  * Prints the median and best time per pass of each build and the median of the per-round

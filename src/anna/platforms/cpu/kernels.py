@@ -384,18 +384,18 @@ def kernel_build_level(isa: CpuIsa) -> str | None:
     return built[-1] if built else None
 
 
-def _compile_and_link(compiler: str, flags: list[str], library: Path) -> None:
+def _compile_and_link(compiler: str, flags: list[str], library: Path, sources: list[Path]) -> None:
     """Each source to an object file in its own compiler process, as many at once as there are CPUs,
     then one shared library, moved into place atomically (another process may be building it too)."""
     with tempfile.TemporaryDirectory(dir=library.parent) as tmp:
-        objects = [Path(tmp) / (source.stem + ".o") for source in SOURCES]
+        objects = [Path(tmp) / (source.stem + ".o") for source in sources]
 
         def compile_one(source: Path, obj: Path) -> None:
             subprocess.run([compiler, *flags, "-c", "-o", str(obj), str(source)], check=True, capture_output=True,
                            text=True)
 
         with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-            for done in [pool.submit(compile_one, s, o) for s, o in zip(SOURCES, objects)]:
+            for done in [pool.submit(compile_one, s, o) for s, o in zip(sources, objects)]:
                 done.result()
         linked = Path(tmp) / library.name
         subprocess.run([compiler, *flags, "-shared", "-o", str(linked), *map(str, objects)], check=True,
@@ -464,13 +464,15 @@ def request_amx_tiles() -> int:
 
 
 def load_kernels(cache_dir: str | Path, compiler: str, level: str, flags: list[str],
-                 name: str | None = None) -> CpuKernels | None:
+                 name: str | None = None, source_dir: Path = KERNEL_DIR) -> CpuKernels | None:
     """The kernels built with ``flags`` for ``level`` (compiled on first use, kept under
-    ``cache_dir``/kernels by ``name``, the level's by default, and a hash of sources and flags)."""
+    ``cache_dir``/kernels by ``name``, the level's by default, and a hash of sources and flags).
+    ``source_dir``: where csrc/'s files are (another revision's, for benchmarks/kernel_ab.py)."""
     flags = CFLAGS + flags
     compiler = shutil.which(compiler or "cc") or shutil.which("gcc")
-    sources = b"".join(p.read_bytes() for p in SOURCES + HEADERS)
-    digest = hashlib.sha256(sources + " ".join(flags).encode()).hexdigest()[:16]
+    sources = [source_dir / path.name for path in SOURCES]
+    text = b"".join(path.read_bytes() for path in sources + [source_dir / path.name for path in HEADERS])
+    digest = hashlib.sha256(text + " ".join(flags).encode()).hexdigest()[:16]
     out_dir = Path(cache_dir).expanduser() / "kernels"
     library = out_dir / f"anna_cpu_kernels_{name or level}_{digest}.so"
     if not library.exists():
@@ -479,7 +481,7 @@ def load_kernels(cache_dir: str | Path, compiler: str, level: str, flags: list[s
             return None
         out_dir.mkdir(parents=True, exist_ok=True)
         try:
-            _compile_and_link(compiler, flags, library)
+            _compile_and_link(compiler, flags, library, sources)
         except (subprocess.CalledProcessError, OSError) as exc:
             detail = getattr(exc, "stderr", "") or str(exc)
             log.warning("Could not compile Anna's CPU kernels (%s): using torch's", detail.strip()[:200])

@@ -1,0 +1,118 @@
+"""Two builds of Anna's CPU matmul kernels alternated in one process: a git revision's (--base)
+against the working tree's, on the matmuls of a Qwen2.5-0.5B layer and its lm_head.
+
+    python benchmarks/kernel_ab.py --base HEAD~1 --ms 1,4,16,64
+    python benchmarks/kernel_ab.py --base HEAD~1 --quantization int4 --ms 1,16
+
+This VM class's speed wanders by a third between runs, so two builds are only compared within one
+process, round by round, in alternating order: each round times every weight copy once with each
+build. Each shape has enough copies of its weight that they stream from memory, as in a decode
+step (the lm_head, 0.27 GB in bf16, is its own). Prints, per shape and M, the median time per
+matmul of each build, the rate, and base / this tree (above 1: the working tree is faster), and
+checks that both builds give the same result to 1e-5 of its largest value.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from anna.model.linear import interleave_rows, quantized_for_cpu_kernel
+from anna.model.quantization import quantize_int4
+from anna.platforms.cpu.isa import detect_isa
+from anna.platforms.cpu.kernels import KERNEL_DIR, LEVEL_CFLAGS, kernel_build_level, load_kernels
+
+SHAPES = {"qkv": (1152, 896), "o": (896, 896), "gate_up": (9728, 896), "down": (896, 4864), "lm_head": (151936, 896)}
+STREAMED_BYTES = 160 << 20  # weight copies per shape: well past the last-level cache
+
+
+def base_sources(rev: str, into: Path) -> Path:
+    """The kernel sources (csrc/) as they were at ``rev``."""
+    repo = Path(__file__).resolve().parent.parent
+    folder = KERNEL_DIR.relative_to(repo)
+    archive = subprocess.run(["git", "-C", str(repo), "archive", rev, str(folder)], check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
+    return into / folder
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--base", required=True, help="the git revision whose kernels are the baseline")
+    ap.add_argument("--quantization", choices=["none", "int4"], default="none", help="none: bf16 weights")
+    ap.add_argument("--int4-group-size", type=int, default=32)
+    ap.add_argument("--ms", default="1,4,16,64", help="rows of x, comma-separated")
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--cpu-isa", default="auto", help="the kernel level both builds are built for")
+    ap.add_argument("--cache-dir", default="~/.cache/anna")
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+
+    isa = detect_isa(force=args.cpu_isa)
+    level = kernel_build_level(isa)
+    if level is None:
+        raise SystemExit(f"no kernel level on {isa.model_name}")
+    with tempfile.TemporaryDirectory() as tmp:
+        base = load_kernels(args.cache_dir, "", level, LEVEL_CFLAGS[level], name=f"{level}_base",
+                            source_dir=base_sources(args.base, Path(tmp)))
+    tree = load_kernels(args.cache_dir, "", level, LEVEL_CFLAGS[level])
+    if base is None or tree is None:
+        raise SystemExit("a build failed (see the warning above)")
+
+    def make(n: int, k: int):
+        w = torch.randn(n, k)
+        if args.quantization == "int4":
+            return quantized_for_cpu_kernel(1, *quantize_int4(w, args.int4_group_size))
+        return interleave_rows(w.to(torch.bfloat16))
+
+    def run(kernels, x, w):
+        if args.quantization == "int4":
+            return kernels.qgemm(x, w[0], w[1], 1, args.int4_group_size, None)
+        return kernels.gemv(x, w, None)
+
+    bytes_per_weight = 0.5 if args.quantization == "int4" else 2
+    results = {"cpu": isa.model_name, "level": level, "threads": torch.get_num_threads(), "torch": torch.__version__,
+               "machine": platform.machine(), "base": args.base, "quantization": args.quantization, "rows": []}
+    print(f"{isa.model_name}, kernel level {level}, {torch.get_num_threads()} threads; base {args.base}")
+    torch.manual_seed(0)
+    for name in args.shapes.split(","):
+        n, k = SHAPES[name]
+        copies = max(1, int(STREAMED_BYTES // (n * k * bytes_per_weight)))
+        weights = [make(n, k) for _ in range(copies)]
+        for m in map(int, args.ms.split(",")):
+            x = torch.randn(m, k)
+            want, got = run(base, x, weights[0]), run(tree, x, weights[0])
+            scale = want.abs().max().item()
+            if (want - got).abs().max().item() > 1e-5 * scale:
+                raise SystemExit(f"{name} M={m}: the builds disagree by {(want - got).abs().max().item():.3g} "
+                                 f"(largest value {scale:.3g})")
+            times: dict[str, list[float]] = {"base": [], "tree": []}
+            for r in range(args.rounds):
+                order = (("base", base), ("tree", tree)) if r % 2 == 0 else (("tree", tree), ("base", base))
+                for tag, kernels in order:
+                    t0 = time.perf_counter()
+                    for w in weights:
+                        run(kernels, x, w)
+                    times[tag].append((time.perf_counter() - t0) / len(weights))
+            b, t = statistics.median(times["base"]), statistics.median(times["tree"])
+            ops = 2 * m * n * k / 1e9
+            row = {"shape": name, "n": n, "k": k, "m": m, "base_us": round(b * 1e6, 1), "tree_us": round(t * 1e6, 1),
+                   "base_gops": round(ops / b, 1), "tree_gops": round(ops / t, 1), "speedup": round(b / t, 3)}
+            results["rows"].append(row)
+            print(f"{name:8s} M={m:4d}  base {row['base_us']:9.1f} us ({row['base_gops']:6.1f} G/s)  "
+                  f"tree {row['tree_us']:9.1f} us ({row['tree_gops']:6.1f} G/s)  x{row['speedup']:.2f}", flush=True)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(results, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
