@@ -81,7 +81,7 @@ def test_gemv_rows_do_not_depend_on_the_thread_count(kernels):
     for n in [35, 4099]:
         packed = interleave_rows(torch.randn(n, 64).to(torch.bfloat16))
         bias = torch.randn(n)
-        for m in [1, 7]:  # 7: the path that converts each block to fp32 first
+        for m in [1, 7]:  # 7: more than one group of x rows per block of weights
             x = torch.randn(m, 64)
             try:
                 torch.set_num_threads(1)
@@ -93,11 +93,37 @@ def test_gemv_rows_do_not_depend_on_the_thread_count(kernels):
                 torch.set_num_threads(threads)
 
 
+def test_gemv_of_a_wide_weight_matches_torch_whatever_the_thread_count(kernels):
+    """A weight whose threads' shares span many blocks (K = 896 as in a 0.5B model's layers): each
+    thread runs its share in chunks of blocks, every group of x rows through a whole chunk
+    (cpu_kernels.c: run_blocks_pairs), so some rows are reached late in a chunk, some in a later
+    chunk. Every row as torch gives it, and the same bits with 1 thread as with 2 or 3."""
+    threads = torch.get_num_threads()
+    torch.manual_seed(0)
+    n, k = 4099, 896
+    for dtype in (torch.bfloat16, torch.float16):
+        w = torch.randn(n, k).to(dtype)
+        bias = torch.randn(n)
+        packed = interleave_rows(w)
+        for m in [1, 5, 16, 67]:
+            x = torch.randn(m, k)
+            try:
+                torch.set_num_threads(1)
+                want = kernels.gemv(x, packed, bias)
+                torch.testing.assert_close(want, F.linear(x, w.float(), bias), rtol=1e-4, atol=1e-3,
+                                           msg=f"{dtype} M={m}")
+                for t in [2, 3]:
+                    torch.set_num_threads(t)
+                    assert torch.equal(kernels.gemv(x, packed, bias), want), (dtype, m, t)
+            finally:
+                torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_expert_gemv_equals_one_call_per_expert(kernels, dtype):
     """anna_gemv_experts (several experts' matmuls in one call, as a mixture-of-experts layer runs
     them) gives exactly what one gemv per expert gives: 67 rows (a tail of 3), groups of 1 to 7
-    rows (7: the path that converts blocks to fp32 first), an unused expert, experts out of order."""
+    rows (7: more than one group of x rows per block of weights), an unused expert, experts out of order."""
     from anna.platforms.cpu.kernels import WEIGHT_TYPES
 
     torch.manual_seed(2)
