@@ -9,7 +9,9 @@ process, round by round, in alternating order: each round times every weight cop
 build. Each shape has enough copies of its weight that they stream from memory, as in a decode
 step (the lm_head, 0.27 GB in bf16, is its own). Prints, per shape and M, the median time per
 matmul of each build, the rate, and base / this tree (above 1: the working tree is faster), and
-checks that both builds give the same result to 1e-5 of its largest value.
+checks that both builds give the same result to 1e-5 of its largest value. Both revisions must call
+the kernels with the same arguments (anna_gemv's and anna_qgemm's C signatures); bf16 weights run
+with the built-in routing bounds unless --bf16-pair-max-rows says otherwise.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import torch
 
 from anna.model.linear import interleave_rows, quantized_for_cpu_kernel
 from anna.model.quantization import quantize_int4
+from anna.platforms.base import BF16_PAIR_MAX_ROWS
 from anna.platforms.cpu.isa import detect_isa
 from anna.platforms.cpu.kernels import KERNEL_DIR, LEVEL_CFLAGS, kernel_build_level, load_kernels
 
@@ -52,6 +55,8 @@ def main() -> None:
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--cpu-isa", default="auto", help="the kernel level both builds are built for")
+    ap.add_argument("--bf16-pair-max-rows", type=int, default=BF16_PAIR_MAX_ROWS,
+                    help="bf16 weights widened in registers up to this M (the avx2 level; cpu_bf16_pair_max_rows)")
     ap.add_argument("--cache-dir", default="~/.cache/anna")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
@@ -76,7 +81,7 @@ def main() -> None:
     def run(kernels, x, w):
         if args.quantization == "int4":
             return kernels.qgemm(x, w[0], w[1], 1, args.int4_group_size, None)
-        return kernels.gemv(x, w, None)
+        return kernels.gemv(x, w, None, bf16_pair_max_rows=args.bf16_pair_max_rows)
 
     bytes_per_weight = 0.5 if args.quantization == "int4" else 2
     results = {"cpu": isa.model_name, "level": level, "threads": torch.get_num_threads(), "torch": torch.__version__,

@@ -7,8 +7,10 @@ crossovers set the routing defaults (cpu_gemv_max_rows, cpu_upcast_min_rows).
         --out benchmarks/results/matmul_routing_int4_g32.csv
 
 Strategies: torch_native (F.linear in the weight dtype), torch_fp32_upcast (weights converted to
-fp32 per call, fp32 GEMM), anna_gemv (Anna's weight-streaming kernel), anna_gemv_bf16_dot (the same
-kernel on bf16 dot products, bf16 weights on a CPU with AVX512-BF16). With --quantization:
+fp32 per call, fp32 GEMM), anna_gemv (Anna's weight-streaming kernel, converting each block of a
+half weight to fp32), anna_gemv_bf16_dot (the same kernel on bf16 dot products, bf16 weights on a CPU
+with AVX512-BF16), anna_gemv_bf16_pairs (the same kernel widening bf16 weights in registers, the
+avx2 level). With --quantization:
 packed (Anna's kernel reading int8/int4), dequant (unpack to fp32, then a dense GEMM) and
 dequant_bf16 (the same GEMM in bf16, as on CPUs with AVX512-BF16 or AMX). Each
 weight set is larger than the CPU caches, as in a real forward pass.
@@ -76,6 +78,9 @@ def main() -> None:
         }
         if kernels is not None:  # w[1]: the same weight with rows interleaved, as the kernel reads it
             strategies["anna_gemv"] = lambda x, w: kernels.gemv(x, w[1], None)
+            if dtype == torch.bfloat16 and kernels.widens_bf16_pairs:
+                # bf16 weights widened in registers at every M from 4 (cpu_bf16_pair_max_rows)
+                strategies["anna_gemv_bf16_pairs"] = lambda x, w: kernels.gemv(x, w[1], None, bf16_pair_max_rows=1 << 30)
             if dtype == torch.bfloat16 and kernels.level != "avx2" and detect_isa(force=args.cpu_isa).bf16_matmul:
                 # bf16 weights times x rounded to bf16 on vdpbf16ps (cpu_bf16_dot_min_rows)
                 strategies["anna_gemv_bf16_dot"] = lambda x, w: kernels.gemv(x, w[1], None, bf16_dot_rows=1)

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from anna.platforms.cpu.calibration import (CHUNK_TOKENS, DOT_ROWS, GEMV_ROWS, calibrate, choose, first_crossing,
-                                            first_lasting_win, smallest_good_chunk)
+from anna.platforms.cpu.calibration import (CHUNK_TOKENS, DOT_ROWS, GEMV_ROWS, PAIR_ROWS, calibrate, choose,
+                                            first_crossing, first_lasting_win, smallest_good_chunk)
 from anna.platforms.cpu.isa import detect_isa
 
 
@@ -48,9 +48,12 @@ def test_the_choice_is_a_pure_function_of_the_measurements():
         "long_prefill_token_threshold": {"tokens": [128, 256, 512, 1024], "seconds": [2.0, 2.3, 4.0, 8.2]},
         # bf16 dot products slower at M = 1 and 2, no slower from 4 on: on from M = 4
         "cpu_bf16_dot_min_rows": {"rows": [1, 2, 4, 8, 16], "kernel_s": [3, 3, 2, 1, 1], "other_s": [2, 2, 2, 2, 2]},
+        # bf16 weights widened in registers no slower up to M = 32, slower from 64 on
+        "cpu_bf16_pair_max_rows": {"rows": [4, 8, 16, 32, 64, 128], "kernel_s": [1, 1, 1, 2, 5, 5],
+                                   "other_s": [2, 2, 2, 2, 4, 4]},
     }
     want = {"cpu_gemv_max_rows": 16, "int4_gemv_m_threshold": 0, "cpu_upcast_min_rows": 4,
-            "long_prefill_token_threshold": 256, "cpu_bf16_dot_min_rows": 4}
+            "long_prefill_token_threshold": 256, "cpu_bf16_dot_min_rows": 4, "cpu_bf16_pair_max_rows": 32}
     assert choose(measurements) == want
     assert choose(json.loads(json.dumps(measurements))) == want  # as read back from the store
     assert choose({"cpu_gemv_max_rows": {"rows": [], "kernel_s": [], "other_s": []}}) == {}  # no data: built-in
@@ -130,7 +133,10 @@ def test_the_first_start_measures_stores_and_applies(qwen2_dir, store):
     values = stored["values"]
     # a bf16 model on Anna's kernels; the bf16 dot products where the CPU has them
     dot = {"cpu_bf16_dot_min_rows"} if detect_isa().bf16_matmul else set()
-    assert set(values) == {"cpu_gemv_max_rows", "long_prefill_token_threshold"} | dot
+    # ... or, on the avx2 level's kernels, the bound of bf16 weights widened in registers
+    routing = engine.runner.model.norm.ops.routing
+    pairs = {"cpu_bf16_pair_max_rows"} if engine.runner.model.norm.ops.kernels.widens_bf16_pairs else set()
+    assert set(values) == {"cpu_gemv_max_rows", "long_prefill_token_threshold"} | dot | pairs
     assert choose(stored["measurements"]) == values  # deterministic given what it measured
     gemv = stored["measurements"]["cpu_gemv_max_rows"]
     assert gemv["rows"] == list(GEMV_ROWS[:len(gemv["rows"])]) and len(gemv["rows"]) >= 2
@@ -142,7 +148,11 @@ def test_the_first_start_measures_stores_and_applies(qwen2_dir, store):
     assert engine.runner.model.norm.ops.routing.gemv_max_rows == values["cpu_gemv_max_rows"]
     if dot:
         assert stored["measurements"]["cpu_bf16_dot_min_rows"]["rows"] == list(DOT_ROWS)
-        assert engine.runner.model.norm.ops.routing.bf16_dot_rows == values["cpu_bf16_dot_min_rows"]
+        assert routing.bf16_dot_rows == values["cpu_bf16_dot_min_rows"]
+    if pairs:
+        measured = stored["measurements"]["cpu_bf16_pair_max_rows"]["rows"]
+        assert len(measured) >= 2 and measured == list(PAIR_ROWS[:len(measured)])
+        assert routing.bf16_pair_max_rows == values["cpu_bf16_pair_max_rows"]
     assert engine.scheduler.config.long_prefill_token_threshold == values["long_prefill_token_threshold"]
     assert "calibrated" in engine.settings.table()
 

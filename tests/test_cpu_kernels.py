@@ -31,16 +31,22 @@ def test_pack_rows_round_trip_and_row_lookup(kernels, n):
     assert torch.equal(gather_interleaved_rows(packed, ids), w[ids])
 
 
+# bf16 weights on the avx2 level: converted block by block, or widened in registers from M = 4 on
+# (cpu_bf16_pair_max_rows); other levels and types ignore the bound
+WIDENED = 1 << 30
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("n, k", [(96, 64), (35, 136)])  # K = 136: not a multiple of 16 (the AVX2 loop at every level)
-def test_gemv_matches_torch_at_every_m(kernels, dtype, n, k):
+@pytest.mark.parametrize("pair_max_rows", [0, WIDENED], ids=["converted", "widened"])
+def test_gemv_matches_torch_at_every_m(kernels, dtype, n, k, pair_max_rows):
     torch.manual_seed(0)
     w = torch.randn(n, k).to(dtype)
     bias = torch.randn(n)
     packed = interleave_rows(w)
     for m in range(1, 131):
         x = torch.randn(m, k)
-        got = kernels.gemv(x, packed, bias)
+        got = kernels.gemv(x, packed, bias, bf16_pair_max_rows=pair_max_rows)
         want = F.linear(x, w.float(), bias)
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=f"M={m}")
 
@@ -105,18 +111,45 @@ def test_gemv_of_a_wide_weight_matches_torch_whatever_the_thread_count(kernels):
         w = torch.randn(n, k).to(dtype)
         bias = torch.randn(n)
         packed = interleave_rows(w)
-        for m in [1, 5, 16, 67]:
+        for m, pair_max_rows in [(1, WIDENED), (5, WIDENED), (16, WIDENED), (67, WIDENED), (16, 0), (67, 0)]:
             x = torch.randn(m, k)
             try:
                 torch.set_num_threads(1)
-                want = kernels.gemv(x, packed, bias)
+                want = kernels.gemv(x, packed, bias, bf16_pair_max_rows=pair_max_rows)
                 torch.testing.assert_close(want, F.linear(x, w.float(), bias), rtol=1e-4, atol=1e-3,
                                            msg=f"{dtype} M={m}")
                 for t in [2, 3]:
                     torch.set_num_threads(t)
-                    assert torch.equal(kernels.gemv(x, packed, bias), want), (dtype, m, t)
+                    assert torch.equal(kernels.gemv(x, packed, bias, bf16_pair_max_rows=pair_max_rows), want), \
+                        (dtype, m, t, pair_max_rows)
             finally:
                 torch.set_num_threads(threads)
+
+
+def test_bf16_weights_are_widened_in_registers_from_4_rows_up_to_the_bound(kernels):
+    """On the avx2 level a bf16 gemv of M rows widens the weights in registers when 4 <= M <=
+    bf16_pair_max_rows and converts them block by block otherwise: the two paths add in different
+    orders, so each M gives exactly one path's bits. Also per group of anna_gemv_experts."""
+    from anna.platforms.cpu.kernels import WEIGHT_TYPES
+
+    if not kernels.widens_bf16_pairs:
+        pytest.skip(f"kernel level {kernels.level} converts bf16 weights (or multiplies them on vdpbf16ps)")
+    torch.manual_seed(3)
+    packed = interleave_rows(torch.randn(64, 256).to(torch.bfloat16))
+    for m in (3, 4, 8, 9):
+        x = torch.randn(m, 256)
+        widened = kernels.gemv(x, packed, None, bf16_pair_max_rows=WIDENED)
+        converted = kernels.gemv(x, packed, None, bf16_pair_max_rows=0)
+        assert m < 4 or not torch.equal(widened, converted), m  # else this test could not tell them apart
+        assert torch.equal(kernels.gemv(x, packed, None, bf16_pair_max_rows=8), widened if 4 <= m <= 8 else converted)
+    experts = [packed, interleave_rows(torch.randn(64, 256).to(torch.bfloat16))]
+    table = torch.tensor([w.data_ptr() for w in experts], dtype=torch.int64)
+    starts = torch.tensor([0, 9, 14], dtype=torch.int64)  # 9 rows: converted; 5 rows: widened
+    x = torch.randn(14, 256)
+    out = kernels.gemv_experts(x, table, torch.tensor([1, 0]), starts, WEIGHT_TYPES[torch.bfloat16], 64,
+                               bf16_pair_max_rows=8)
+    assert torch.equal(out[:9], kernels.gemv(x[:9], experts[1], None, bf16_pair_max_rows=0))
+    assert torch.equal(out[9:], kernels.gemv(x[9:], experts[0], None, bf16_pair_max_rows=WIDENED))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

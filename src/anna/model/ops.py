@@ -55,6 +55,9 @@ class LinearRouting:
     # ... and from this M on, the weight-streaming kernel multiplies bf16 weights by x rounded to bf16
     # on vdpbf16ps (0: never; only where bf16_matmul, whose CPUs have the instruction)
     bf16_dot_rows: int = 0
+    # ... and on AVX2 (no bf16 arithmetic), from 4 up to this M it widens bf16 weights in registers
+    # (shift and mask) instead of converting each block to fp32 once for all rows of x (0: never)
+    bf16_pair_max_rows: int = 32
     # CPU: a gated MLP of more rows runs in tiles of this many (0: whole), so that its wide
     # intermediate rows stay in cache between its two matmuls
     mlp_tile_rows: int = 256

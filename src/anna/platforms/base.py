@@ -162,6 +162,11 @@ INT4_PACKED_MAX_ROWS = {False: 2048, True: 128}
 # the fp32 kernel at M = 4, about 2x from M = 8, no gain below 4)
 BF16_DOT_MIN_ROWS = 8
 
+# cpu_bf16_pair_max_rows -1: the AVX2 kernel's bf16 weights widened in registers up to this M
+# (benchmarks/kernel_ab.py against the conversion pass: an AVX2-only Zen 4 gained 1.0-1.2x up to
+# M = 64, a Zen 1 1.1-1.5x at 4-16 and lost 1-15% from 32 on; calibration measures each host)
+BF16_PAIR_MAX_ROWS = 32
+
 
 def linear_routing(cpu: Any, bf16_matmul: bool = False) -> LinearRouting:
     """The matmul routing thresholds of the cpu settings section (``bf16_matmul``: what the CPU's
@@ -169,8 +174,9 @@ def linear_routing(cpu: Any, bf16_matmul: bool = False) -> LinearRouting:
     whatever cpu_bf16_dot_min_rows says)."""
     threshold = cpu.int4_gemv_m_threshold if cpu.int4_gemv_m_threshold >= 0 else INT4_PACKED_MAX_ROWS[bf16_matmul]
     dot_rows = cpu.cpu_bf16_dot_min_rows if cpu.cpu_bf16_dot_min_rows >= 0 else BF16_DOT_MIN_ROWS
+    pair_rows = cpu.cpu_bf16_pair_max_rows if cpu.cpu_bf16_pair_max_rows >= 0 else BF16_PAIR_MAX_ROWS
     return LinearRouting(cpu.cpu_gemv_max_rows, cpu.cpu_upcast_min_rows, cpu.int4_matmul, threshold, bf16_matmul,
-                         dot_rows if bf16_matmul else 0, cpu.cpu_mlp_tile_rows)
+                         dot_rows if bf16_matmul else 0, pair_rows, cpu.cpu_mlp_tile_rows)
 
 
 def no_graph_reason(profiling: bool, model: Any) -> str | None:

@@ -39,6 +39,18 @@ def read_host_memory() -> MemoryInfo:
                       fields.get("MemTotal", os.sysconf("SC_PHYS_PAGES") * page))
 
 
+def _describe_kernels(kernels: Any, routing: Any, weight_dtype: torch.dtype) -> str:
+    """The start-up log's words for the kernels that serve the matmuls and their bf16 paths."""
+    if kernels is None:
+        return "torch's"
+    words = f"Anna's, built for {kernels.level}"
+    if routing.bf16_dot_rows:
+        return words + f", bf16 weights on vdpbf16ps from M = {routing.bf16_dot_rows}"
+    if kernels.widens_bf16_pairs and weight_dtype == torch.bfloat16 and routing.bf16_pair_max_rows >= 4:
+        return words + f", bf16 weights widened in registers at M = 4-{routing.bf16_pair_max_rows}"
+    return words
+
+
 def _libc():
     try:
         return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
@@ -148,9 +160,7 @@ class CpuPlatform(Platform):
         if routing.bf16_matmul:
             ops.attention_dtype = torch.bfloat16
         log.info("CPU kernels: %s; larger bf16 matmuls: %s; prefill attention: %s",
-                 f"Anna's, built for {kernels.level}" + (
-                     f", bf16 weights on vdpbf16ps from M = {routing.bf16_dot_rows}" if routing.bf16_dot_rows else "")
-                 if kernels else "torch's",
+                 _describe_kernels(kernels, routing, weight_dtype),
                  "bf16 (oneDNN, hardware bf16)" if routing.bf16_matmul else "fp32",
                  str(ops.attention_dtype).removeprefix("torch."))
         return ops

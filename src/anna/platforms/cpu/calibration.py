@@ -24,6 +24,10 @@ them). Above it, one layer of each shape is timed.
   DOT_ROWS; measured first, so that the bound below is measured on the kernel that will run;
 - ``cpu_gemv_max_rows`` (Anna's kernels, dense and int8 layers): the weight-streaming kernel
   against the path above it (torch's bf16 or fp32 GEMM);
+- ``cpu_bf16_pair_max_rows`` (a bf16 model on Anna's AVX2 kernels): the weight-streaming kernel
+  widening bf16 weights in registers against the same kernel converting each block once, at the
+  Ms of PAIR_ROWS, on the layers (not the lm_head). Measured after the bound above, which moves
+  prefill far more and which, on a Zen 1, took most of the budget by itself;
 - ``int4_gemv_m_threshold`` (int4 with int4_matmul auto): the packed int4 kernel against the
   dequantized GEMM;
 - ``cpu_upcast_min_rows`` (torch's ops on half weights without hardware bf16): torch's half
@@ -62,6 +66,7 @@ STREAMED_BYTES = 64 << 20  # weights per timed pass: twice a 32 MB last-level ca
 STREAMED_MAX_ROWS = 16
 GEMV_ROWS = (1, 8, 16, 32, 48, 64, 96, 128, 192, 256)
 DOT_ROWS = (1, 2, 4, 8, 16)
+PAIR_ROWS = (4, 8, 16, 32, 64, 128)
 INT4_ROWS = (16, 32, 64, 128, 256, 512, 1024, 2048)
 UPCAST_ROWS = (1, 2, 4, 8, 16, 32, 64)
 CHUNK_TOKENS = (128, 256, 512, 1024, 2048)
@@ -185,7 +190,7 @@ def choose(measurements: dict[str, dict[str, list]]) -> dict[str, int]:
     m = measurements.get("cpu_bf16_dot_min_rows")
     if m and m["rows"]:
         values["cpu_bf16_dot_min_rows"] = first_lasting_win(m["rows"], m["kernel_s"], m["other_s"])
-    for name in ("cpu_gemv_max_rows", "int4_gemv_m_threshold", "cpu_upcast_min_rows"):
+    for name in ("cpu_bf16_pair_max_rows", "cpu_gemv_max_rows", "int4_gemv_m_threshold", "cpu_upcast_min_rows"):
         m = measurements.get(name)
         if m and m["rows"]:
             crossing = first_crossing(m["rows"], m["kernel_s"], m["other_s"])
@@ -312,6 +317,14 @@ def measure(model: torch.nn.Module, ops: Any, max_chunk: int, budget_s: float = 
             with _routing(ops, bf16_dot_rows=dot):
                 out["cpu_gemv_max_rows"] = _crossover(timer, ops, dense, GEMV_ROWS, lambda m: {"gemv_max_rows": m},
                                                       {"gemv_max_rows": 0})
+        # (the layers' shapes only: the crossover is the kernel's, and a tied lm_head at 128 rows
+        # would cost more of the budget than all of them)
+        bf16_body = [g for g in bf16 if not g.lm_head]
+        if ops.kernels is not None and bf16_body and ops.kernels.widens_bf16_pairs:
+            kernel_serves = {"gemv_max_rows": max(PAIR_ROWS)}  # the weight-streaming kernel, either way
+            out["cpu_bf16_pair_max_rows"] = _crossover(timer, ops, bf16_body, PAIR_ROWS,
+                                                       lambda m: kernel_serves | {"bf16_pair_max_rows": m},
+                                                       kernel_serves | {"bf16_pair_max_rows": 0})
         if ops.kernels is not None and int4 and ops.routing.int4_matmul == "auto":
             out["int4_gemv_m_threshold"] = _crossover(timer, ops, int4, INT4_ROWS,
                                                       lambda m: {"int4_gemv_m_threshold": m},
@@ -338,7 +351,8 @@ def measure(model: torch.nn.Module, ops: Any, max_chunk: int, budget_s: float = 
 
 # setting name -> LinearRouting field
 ROUTING_FIELDS = {"cpu_gemv_max_rows": "gemv_max_rows", "int4_gemv_m_threshold": "int4_gemv_m_threshold",
-                  "cpu_upcast_min_rows": "upcast_min_rows", "cpu_bf16_dot_min_rows": "bf16_dot_rows"}
+                  "cpu_upcast_min_rows": "upcast_min_rows", "cpu_bf16_dot_min_rows": "bf16_dot_rows",
+                  "cpu_bf16_pair_max_rows": "bf16_pair_max_rows"}
 
 
 # ---- the cache ----
@@ -414,6 +428,7 @@ def report(calibration: Calibration) -> str:
     lines = [f"Calibration {calibration.key} ({calibration.seconds:.1f} s) on {calibration.host['cpu']}, "
              f"{calibration.host['threads']} threads, kernel level {calibration.host['isa']}"]
     paths = {"cpu_bf16_dot_min_rows": ("kernel on bf16 dot products", "kernel in fp32"),
+             "cpu_bf16_pair_max_rows": ("kernel widening in registers", "kernel converting blocks"),
              "cpu_gemv_max_rows": ("Anna's weight-streaming kernel", "torch's GEMM"),
              "int4_gemv_m_threshold": ("packed int4 kernel", "dequantized GEMM"),
              "cpu_upcast_min_rows": ("torch half matmul", "fp32 on the converted weight")}

@@ -71,8 +71,8 @@ class FusedDecodeExecutor:
 
     def _layer_descriptors(self, kv_caches: list[PagedKV]):
         """ctypes descriptors of every layer's weights and caches, built once (they never move; the
-        routing's bf16 dot threshold, which calibration may set, is part of the key)."""
-        key = (tuple(k.data_ptr() for k, _ in kv_caches), self.ops.routing.bf16_dot_rows)
+        routing's bf16 bounds, which calibration may set, are part of the key)."""
+        key = (tuple(k.data_ptr() for k, _ in kv_caches), _bf16_bounds(self.ops))
         if self._descriptors is not None and self._descriptors[0] == key:
             return self._descriptors[1]
         keep: list[torch.Tensor] = []  # fp32 copies of biases, kept alive with the descriptors
@@ -107,7 +107,12 @@ def _describe_linear(desc: AnnaLinear, lin: Linear | QuantLinear, keep: list[tor
     else:
         desc.weight, desc.scales = lin.weight.data_ptr(), None
         desc.wtype, desc.qkind, desc.group = WEIGHT_TYPES[lin.weight.dtype], 0, 0
-        desc.bf16_dot_rows = ops.routing.bf16_dot_rows
+        desc.bf16_dot_rows, desc.bf16_pair_max_rows = _bf16_bounds(ops)
+
+
+def _bf16_bounds(ops: ModelOps) -> tuple[int, int]:
+    """The routing's bounds of the kernel's bf16 paths without a conversion pass (LinearRouting)."""
+    return ops.routing.bf16_dot_rows, ops.routing.bf16_pair_max_rows
 
 
 class HybridFusedDecodeExecutor(FusedDecodeExecutor):
@@ -143,7 +148,7 @@ class HybridFusedDecodeExecutor(FusedDecodeExecutor):
 
     def _layer_descriptors(self, layer_caches: list):
         key = (tuple(next(iter(c.values())).data_ptr() if isinstance(c, dict) else c[0].data_ptr()
-                     for c in layer_caches), self.ops.routing.bf16_dot_rows)
+                     for c in layer_caches), _bf16_bounds(self.ops))
         if self._descriptors is not None and self._descriptors[0] == key:
             return self._descriptors[1]
         keep: list[torch.Tensor] = []

@@ -60,7 +60,7 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 class AnnaLinear(ctypes.Structure):
     _fields_ = [("weight", ctypes.c_void_p), ("scales", ctypes.c_void_p), ("bias", ctypes.c_void_p),
                 ("wtype", ctypes.c_int), ("qkind", ctypes.c_int), ("group", ctypes.c_long), ("n", ctypes.c_long),
-                ("k", ctypes.c_long), ("bf16_dot_rows", ctypes.c_int)]
+                ("k", ctypes.c_long), ("bf16_dot_rows", ctypes.c_int), ("bf16_pair_max_rows", ctypes.c_int)]
 
 
 class AnnaLayer(ctypes.Structure):
@@ -120,8 +120,8 @@ class CpuKernels:
         self.build_id = library.stem  # the level and the hash of the sources and flags
         lib = ctypes.CDLL(str(library))
         p, i, l, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
-        lib.anna_gemv.argtypes = [p, p, i, p, p, i, l, l, i, i]
-        lib.anna_gemv_experts.argtypes = [p, p, p, p, l, i, p, l, l, i, i]
+        lib.anna_gemv.argtypes = [p, p, i, p, p, i, l, l, i, i, i]
+        lib.anna_gemv_experts.argtypes = [p, p, p, p, l, i, p, l, l, i, i, i]
         lib.anna_deinterleave_rows.argtypes = [p, i, l, l, p, i]
         lib.anna_deinterleave_rows16.argtypes = [p, l, l, p, i]
         lib.anna_add_rmsnorm.argtypes = [p, p, p, i, p, l, l, f, i]
@@ -152,34 +152,43 @@ class CpuKernels:
         """Whether this build multiplies int8 on vpdpbusd (the avx512_vnni level and up)."""
         return self.level in ("avx512_vnni", "amx")
 
+    @property
+    def widens_bf16_pairs(self) -> bool:
+        """Whether this build's gemv can widen bf16 weights in registers (bf16_pair_max_rows: the
+        avx2 level; the AVX-512 levels convert them, or multiply them on vdpbf16ps)."""
+        return self.level == "avx2"
+
     @staticmethod
     def supports_weight(weight: torch.Tensor) -> bool:
         return (weight.dtype in WEIGHT_TYPES and weight.dim() == 2 and weight.shape[1] % 8 == 0
                 and weight.is_contiguous() and weight.device.type == "cpu")
 
     def gemv(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-             bf16_dot_rows: int = 0) -> torch.Tensor:
+             bf16_dot_rows: int = 0, bf16_pair_max_rows: int = 0) -> torch.Tensor:
         """y = x W^T (+ b) for a few rows of x, reading each weight row once for all of them.
         ``weight`` must be in linear.interleave_rows' layout. From ``bf16_dot_rows`` rows of x on
-        (0: never), bf16 weights are multiplied by x rounded to bf16 on vdpbf16ps (LinearRouting)."""
+        (0: never), bf16 weights are multiplied by x rounded to bf16 on vdpbf16ps; up to
+        ``bf16_pair_max_rows`` (AVX2 builds) they are widened in registers instead of converted
+        block by block (LinearRouting)."""
         k = x.shape[-1]
         x2 = x.reshape(-1, k).float().contiguous()
         rows, n = x2.shape[0], weight.shape[0]
         y = torch.empty(rows, n, dtype=torch.float32)
         b = None if bias is None else bias.float().contiguous()
         self.lib.anna_gemv(x2.data_ptr(), weight.data_ptr(), WEIGHT_TYPES[weight.dtype], _ptr(b), y.data_ptr(),
-                           rows, n, k, bf16_dot_rows, torch.get_num_threads())
+                           rows, n, k, bf16_dot_rows, bf16_pair_max_rows, torch.get_num_threads())
         return y.view(*x.shape[:-1], n)
 
     def gemv_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, starts: torch.Tensor,
-                     wtype: int, n: int, bf16_dot_rows: int = 0) -> torch.Tensor:
+                     wtype: int, n: int, bf16_dot_rows: int = 0, bf16_pair_max_rows: int = 0) -> torch.Tensor:
         """gemv of several experts in one call: rows [starts[g], starts[g + 1]) of x [rows, K] times
         expert ids[g]'s weight, at weights[ids[g]] (an int64 table of data pointers; every expert
         [n, K] of type ``wtype`` in interleave_rows' layout, no bias)."""
         x2 = x.float().contiguous()
         y = torch.empty(x2.shape[0], n, dtype=torch.float32)
         self.lib.anna_gemv_experts(x2.data_ptr(), weights.data_ptr(), ids.data_ptr(), starts.data_ptr(), ids.numel(),
-                                   wtype, y.data_ptr(), n, x2.shape[1], bf16_dot_rows, torch.get_num_threads())
+                                   wtype, y.data_ptr(), n, x2.shape[1], bf16_dot_rows, bf16_pair_max_rows,
+                                   torch.get_num_threads())
         return y
 
     def _matmul_operand(self, n: int, k: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:

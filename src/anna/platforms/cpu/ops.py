@@ -132,7 +132,8 @@ class CpuKernelOps(CpuTorchOps):
         rows = x.numel() // x.shape[-1]
         if self.streams_weight(layer, rows):
             with self.region(layer.profile_name or "matmul:anna_gemv"):
-                return self.kernels.gemv(x, w, layer.bias, self.routing.bf16_dot_rows).to(x.dtype)
+                return self.kernels.gemv(x, w, layer.bias, self.routing.bf16_dot_rows,
+                                         self.routing.bf16_pair_max_rows).to(x.dtype)
         if self.runs_bf16(layer, rows):
             return _with_bias(_bf16_matmul(self, layer, x).to(x.dtype), layer)
         if layer.interleaved:  # a large M: torch's fp32 GEMM on a row-major copy converted in C
@@ -241,7 +242,8 @@ class CpuKernelOps(CpuTorchOps):
         if isinstance(linear, QuantLinear):
             return self.kernels.qgemm_experts(x, *table, ids, starts, linear.kind, linear.group, linear.out_features)
         return self.kernels.gemv_experts(x, *table, ids, starts, WEIGHT_TYPES[linear.weight.dtype],
-                                         linear.out_features, self.routing.bf16_dot_rows)
+                                         linear.out_features, self.routing.bf16_dot_rows,
+                                         self.routing.bf16_pair_max_rows)
 
 
 def _weight_tensors(linear: Any) -> tuple[torch.Tensor, ...]:

@@ -285,11 +285,16 @@ static uint16_t *x_to_bf16(const float *x, long M, long K) {
  * each block to fp32 in memory instead, and read it back once per 3 rows of x). x is reordered to
  * match (pair_x): each run of 8 columns as [x0 x2 x4 x6 | x1 x3 x5 x7], each half broadcast to
  * both 128-bit halves. Accumulators hold two rows each, so PAIR_X_ROWS rows of x share each
- * weight vector with 2 x PAIR_X_ROWS accumulators, 4 weight and 2 x registers. */
+ * weight vector with 2 x PAIR_X_ROWS accumulators, 4 weight and 2 x registers.
+ * Each group of PAIR_X_ROWS rows widens the weights again, where run_blocks converts a block once for
+ * all rows of x: from some M on that costs more than it saves. Where depends on the core (a Zen 1,
+ * whose FMA and vector integer units are 128 bits wide, lost from M = 32; an AVX2-only Zen 4 gained
+ * up to M = 64), so the caller passes the largest M (bf16_pair_max_rows, a calibrated setting). */
 #define PAIR_X_ROWS 4
 /* Fewer rows of x stream the weights from memory, where load8's blocks were as fast (0.93-1.02x
  * for block_pairs at 1-3 rows; 1.08-1.65x at 4) */
 #define PAIR_MIN_ROWS 4
+#define PAIR_ROWS(rows, max_rows) ((rows) >= PAIR_MIN_ROWS && (rows) <= (max_rows))
 
 #define DEFINE_BLOCK_PAIRS(MM)                                                                               \
     INLINE void block_pairs_##MM(const float *xp, const uint16_t *blk, const float *bias, float *y, long N,   \
@@ -392,23 +397,31 @@ INLINE void run_tail(const void *x, int xtype, const void *w, int wtype, const f
  * the weight w[g] (bias[g] or none) into the same rows of y; every group has the same N and K, and
  * the blocks of all groups form one range that the threads share (many small matmuls, such as a
  * mixture-of-experts layer's experts, then keep every thread streaming).
- * x, bias, y fp32; W bf16 (wtype 0), fp16 (1) or fp32 (2), rows interleaved (see above). */
+ * x, bias, y fp32; W bf16 (wtype 0), fp16 (1) or fp32 (2), rows interleaved (see above). bf16 weights
+ * skip the conversion to fp32 in groups of bf16_dot_rows rows or more on AVX512-BF16 builds (x rounded
+ * to bf16, run_blocks_dpbf16), in groups of PAIR_MIN_ROWS to bf16_pair_max_rows rows on AVX2 builds
+ * (block_pairs); each build ignores the other's bound. */
 static void gemv_groups(const float *x, const void *const *w, const float *const *bias, const int64_t *starts,
-                        long groups, int wtype, float *y, long N, long K, int bf16_dot_rows, int threads) {
+                        long groups, int wtype, float *y, long N, long K, int bf16_dot_rows, int bf16_pair_max_rows,
+                        int threads) {
     long per_group = N / PACK_ROWS, full = per_group * PACK_ROWS, units = per_group * groups;
     split_range ranges[SPLIT_MAX_THREADS];
     if (threads > SPLIT_MAX_THREADS) threads = SPLIT_MAX_THREADS;
     const uint16_t *xb = 0;  /* x in bf16, where some group has bf16_dot_rows rows or more */
+#ifdef __AVX512F__
+    (void)bf16_pair_max_rows;
     int most = 0;  /* the most rows of x of any group */
     for (long g = 0; g < groups; g++) most = starts[g + 1] - starts[g] > most ? (int)(starts[g + 1] - starts[g]) : most;
-#ifdef __AVX512F__
     if (wtype == 0 && bf16_dot_rows > 0 && most >= bf16_dot_rows)
         xb = x_to_bf16(x + starts[0] * K, starts[groups] - starts[0], K);
 #else
     (void)bf16_dot_rows;
     /* bf16 weights: x reordered for block_pairs, each thread a share of the rows */
+    int pairs = 0;  /* some group has rows for block_pairs */
+    for (long g = 0; g < groups && wtype == 0; g++)
+        pairs |= PAIR_ROWS(starts[g + 1] - starts[g], bf16_pair_max_rows);
     long x0 = starts[0], x1 = starts[groups];
-    float *xp = wtype == 0 && most >= PAIR_MIN_ROWS ? (float *)aligned_alloc(32, ((sizeof(float) * (x1 - x0) * K + 31) / 32) * 32) : 0;
+    float *xp = pairs ? (float *)aligned_alloc(32, ((sizeof(float) * (x1 - x0) * K + 31) / 32) * 32) : 0;
 #endif
     #pragma omp parallel num_threads(threads)
     {
@@ -437,7 +450,7 @@ static void gemv_groups(const float *x, const void *const *w, const float *const
                 else
 #endif
 #ifndef __AVX512F__
-                if (xp && rows >= PAIR_MIN_ROWS) run_blocks_pairs(xp + (m0 - x0) * K, (const uint16_t *)w[g], bias[g], gy, rows, N, u0 * PACK_ROWS,
+                if (xp && PAIR_ROWS(rows, bf16_pair_max_rows)) run_blocks_pairs(xp + (m0 - x0) * K, (const uint16_t *)w[g], bias[g], gy, rows, N, u0 * PACK_ROWS,
                                          u1 * PACK_ROWS, K);
                 else
 #endif
@@ -462,19 +475,20 @@ static void gemv_groups(const float *x, const void *const *w, const float *const
 
 /* y[M, N] = x[M, K] . W^T (+ bias): each block of W's rows is read once for all of x. */
 void anna_gemv(const float *x, const void *w, int wtype, const float *bias, float *y, int M, long N, long K,
-               int bf16_dot_rows, int threads) {
+               int bf16_dot_rows, int bf16_pair_max_rows, int threads) {
     int64_t starts[2] = {0, M};
-    gemv_groups(x, &w, &bias, starts, 1, wtype, y, N, K, bf16_dot_rows, threads);
+    gemv_groups(x, &w, &bias, starts, 1, wtype, y, N, K, bf16_dot_rows, bf16_pair_max_rows, threads);
 }
 
 /* Group g: rows [starts[g], starts[g + 1]) of x times the weight of expert ids[g], at w[ids[g]] (a
  * table of every expert's pointer, kept by the caller). */
 void anna_gemv_experts(const float *x, const int64_t *w, const int64_t *ids, const int64_t *starts, long groups,
-                       int wtype, float *y, long N, long K, int bf16_dot_rows, int threads) {
+                       int wtype, float *y, long N, long K, int bf16_dot_rows, int bf16_pair_max_rows,
+                       int threads) {
     const void **gw = (const void **)malloc(sizeof(void *) * groups);
     const float **gb = (const float **)calloc(groups, sizeof(float *));
     for (long g = 0; g < groups; g++) gw[g] = (const void *)(intptr_t)w[ids[g]];
-    gemv_groups(x, gw, gb, starts, groups, wtype, y, N, K, bf16_dot_rows, threads);
+    gemv_groups(x, gw, gb, starts, groups, wtype, y, N, K, bf16_dot_rows, bf16_pair_max_rows, threads);
     free(gw);
     free(gb);
 }

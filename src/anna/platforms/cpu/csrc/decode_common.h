@@ -8,7 +8,7 @@
 #include "kv_format.h"
 
 void anna_gemv(const float *x, const void *w, int wtype, const float *bias, float *y, int M, long N, long K,
-               int bf16_dot_rows, int threads);
+               int bf16_dot_rows, int bf16_pair_max_rows, int threads);
 void anna_qgemm(const float *x, const void *w, const void *ws, int kind, long G, const float *bias, float *y,
                 long M, long N, long K, int threads);
 void anna_add_rmsnorm(float *x, const float *delta, const void *w, int wtype, float *out, long rows, long dim,
@@ -30,10 +30,12 @@ typedef struct {
     long group;           /* int4 group size */
     long n, k;
     int bf16_dot_rows;    /* bf16 weights: from this many rows of x on, x in bf16 on vdpbf16ps (0: never) */
+    int bf16_pair_max_rows; /* bf16 weights, AVX2 builds: up to this many rows of x, no conversion pass */
 } AnnaLinear;
 
 static inline void linear(const AnnaLinear *l, const float *x, float *y, long M, int threads) {
-    if (l->wtype >= 0) anna_gemv(x, l->weight, l->wtype, l->bias, y, (int)M, l->n, l->k, l->bf16_dot_rows, threads);
+    if (l->wtype >= 0) anna_gemv(x, l->weight, l->wtype, l->bias, y, (int)M, l->n, l->k, l->bf16_dot_rows,
+                                 l->bf16_pair_max_rows, threads);
     else anna_qgemm(x, l->weight, l->scales, l->qkind, l->group, l->bias, y, M, l->n, l->k, threads);
 }
 
