@@ -15,6 +15,9 @@
 # instruction on Q4_0: build it with -mno-amx-tile -mno-amx-int8 -mno-amx-bf16). Every result is
 # a file under the output folder; the CPU's name and flags are in cpu.txt.
 #
+# THREADS (default: every CPU this process may use): llama.cpp's -t, and Anna's threads through
+# OMP_NUM_THREADS, which sets torch's thread count that Anna's kernels follow.
+#
 # CPU_ISA (default auto): the --cpu-isa every Anna run uses. With CPU_ISA=avx2, torch held to AVX2
 # too and a llama.cpp built for AVX2 alone, the run stands for an AVX2-only CPU with this core:
 #   CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 \
@@ -30,8 +33,10 @@ F16=${F16:?F16 GGUF}
 Q4=${Q4:?Q4_0 GGUF}
 STEPS=${STEPS:-prefill decode streams}
 CPU_ISA=${CPU_ISA:-auto}
+THREADS=${THREADS:-$(nproc)}
+export OMP_NUM_THREADS=$THREADS
 mkdir -p "$OUT"
-{ grep -m1 "model name" /proc/cpuinfo; grep -m1 "^flags" /proc/cpuinfo; nproc; echo "CPU_ISA=$CPU_ISA" \
+{ grep -m1 "model name" /proc/cpuinfo; grep -m1 "^flags" /proc/cpuinfo; nproc; echo "THREADS=$THREADS CPU_ISA=$CPU_ISA" \
   "ATEN_CPU_CAPABILITY=${ATEN_CPU_CAPABILITY:-} ONEDNN_MAX_CPU_ISA=${ONEDNN_MAX_CPU_ISA:-}" \
   "MKL_ENABLE_INSTRUCTIONS=${MKL_ENABLE_INSTRUCTIONS:-}"; } > "$OUT/cpu.txt"
 
@@ -41,26 +46,26 @@ for step in $STEPS; do
     for n in 512 2048; do
       for isa in $(printf '%s\n' "$CPU_ISA" avx2 | uniq); do
         python benchmarks/prefill_bench.py --model "$MODEL" --prompt-tokens $n --cpu-isa $isa \
-          --out "$OUT/prefill_bf16_${n}_${isa}.json" > /dev/null 2>&1
+          --out "$OUT/prefill_bf16_${n}_${isa}.json" > "$OUT/prefill_bf16_${n}_${isa}.log" 2>&1
       done
       python benchmarks/prefill_bench.py --model "$MODEL" --prompt-tokens $n --quantization int4 --cpu-isa $CPU_ISA \
-        --out "$OUT/prefill_int4_${n}_${CPU_ISA}.json" > /dev/null 2>&1
-      "$LLAMA_BIN/llama-bench" -m "$F16" -t 2 -p $n -n 0 -r 2 -o json > "$OUT/llamacpp_prefill_f16_$n.json"
-      "$LLAMA_Q4_BIN/llama-bench" -m "$Q4" -t 2 -p $n -n 0 -r 2 -o json > "$OUT/llamacpp_prefill_q4_0_$n.json"
+        --out "$OUT/prefill_int4_${n}_${CPU_ISA}.json" > "$OUT/prefill_int4_${n}_${CPU_ISA}.log" 2>&1
+      "$LLAMA_BIN/llama-bench" -m "$F16" -t $THREADS -p $n -n 0 -r 2 -o json > "$OUT/llamacpp_prefill_f16_$n.json"
+      "$LLAMA_Q4_BIN/llama-bench" -m "$Q4" -t $THREADS -p $n -n 0 -r 2 -o json > "$OUT/llamacpp_prefill_q4_0_$n.json"
     done ;;
   decode)
     for q in none int4; do
       python benchmarks/decode_bench.py --model "$MODEL" --prompt-tokens 64 --new-tokens 128 --repeats 3 \
-        --no-transformers --quantization $q --cpu-isa $CPU_ISA --out "$OUT/decode_$q.json" > /dev/null 2>&1
+        --no-transformers --quantization $q --cpu-isa $CPU_ISA --out "$OUT/decode_$q.json" > "$OUT/decode_$q.log" 2>&1
     done
-    "$LLAMA_BIN/llama-bench" -m "$F16" -t 2 -p 0 -n 128 -r 3 -o json > "$OUT/llamacpp_decode_f16.json"
-    "$LLAMA_Q4_BIN/llama-bench" -m "$Q4" -t 2 -p 0 -n 128 -r 3 -o json > "$OUT/llamacpp_decode_q4_0.json"
+    "$LLAMA_BIN/llama-bench" -m "$F16" -t $THREADS -p 0 -n 128 -r 3 -o json > "$OUT/llamacpp_decode_f16.json"
+    "$LLAMA_Q4_BIN/llama-bench" -m "$Q4" -t $THREADS -p 0 -n 128 -r 3 -o json > "$OUT/llamacpp_decode_q4_0.json"
     ;;
   streams)
     for q in none int4; do
       for streams in 1 16; do
         anna serve --model "$MODEL" --quantization $q --cpu-isa $CPU_ISA --max-num-seqs 16 --port 8000 --served-model-name qwen \
-          --log-level warning > "$OUT/anna_serve_$q.log" 2>&1 &
+          --log-level warning > "$OUT/anna_serve_${q}_$streams.log" 2>&1 &
         pid=$!
         python benchmarks/server_streams.py --base-url http://127.0.0.1:8000 --model qwen --streams $streams \
           > "$OUT/streams_anna_${q}_$streams.json"
@@ -70,8 +75,8 @@ for step in $STEPS; do
     for gguf in "$F16" "$Q4"; do
       name=$([ "$gguf" = "$F16" ] && echo f16 || echo q4_0)
       for streams in 1 16; do
-        "$LLAMA_SERVER_BIN/llama-server" -m "$gguf" -t 2 -np $streams -c $((streams * 256)) -b 2048 -ub 512 \
-          --port 8081 > "$OUT/llama_server_$name.log" 2>&1 &
+        "$LLAMA_SERVER_BIN/llama-server" -m "$gguf" -t $THREADS -np $streams -c $((streams * 256)) -b 2048 -ub 512 \
+          --port 8081 > "$OUT/llama_server_${name}_$streams.log" 2>&1 &
         pid=$!
         python benchmarks/server_streams.py --base-url http://127.0.0.1:8081 --model qwen --streams $streams \
           > "$OUT/streams_llamacpp_${name}_$streams.json"
