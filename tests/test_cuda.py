@@ -55,17 +55,16 @@ def test_cuda_batched_generation_matches_single(hf_models, cache_dir):
 
 
 def test_cuda_profile_run_measures_an_activation_peak(hf_models):
-    from anna.model.config import load_model_config
     from anna.runtime.memory import profile_activation_peak, profile_decode_peak
 
     _, path = hf_models["qwen2"]
-    engine_model = LLMEngine(engine_settings(path, path.parent, device="cuda"), show_progress=False).runner.model
-    cfg = load_model_config(str(path))
-    small = profile_activation_peak(engine_model, cfg, 16, 1, 16, torch.device("cuda"), torch.float32)
-    large = profile_activation_peak(engine_model, cfg, 256, 64, 16, torch.device("cuda"), torch.float32)
+    runner = LLMEngine(engine_settings(path, path.parent, device="cuda"), show_progress=False).runner
+    model, specs, platform = runner.model, runner.specs, runner.platform
+    small = profile_activation_peak(model, specs, platform, 16, 1, 16)
+    large = profile_activation_peak(model, specs, platform, 256, 64, 16)
     assert 0 < small < large
     # the decode graphs' workspace: one decode step, growing with the batch and the context
-    decode = [profile_decode_peak(engine_model, cfg, rows, context, 16, torch.device("cuda"), torch.float32)
+    decode = [profile_decode_peak(model, specs, platform, rows, context, 16)
               for rows, context in ((1, 16), (8, 16), (8, 512))]
     assert 0 < decode[0] < decode[1] < decode[2]
 
@@ -84,7 +83,7 @@ def test_cuda_graph_decode_matches_eager(hf_models, cache_dir):
         assert engine.decode_executor == executor
         results[executor] = generate_together(engine, prompts, params, "r")
         if executor == "graph":
-            graphs = engine.runner.graphs
+            graphs = engine.runner.decode_executor
             assert graphs is not None and graphs.capture  # no fallback to eager
             assert graphs.graphs and graphs.replays >= params.max_tokens - 1
         logits, _ = run_logits(engine, PROMPT, 8)
