@@ -56,7 +56,7 @@ for step in $STEPS; do
   decode)
     for q in none int4; do
       python benchmarks/decode_bench.py --model "$MODEL" --prompt-tokens 64 --new-tokens 128 --repeats 3 \
-        --no-transformers --quantization $q --cpu-isa $CPU_ISA --out "$OUT/decode_$q.json" > "$OUT/decode_$q.log" 2>&1
+        --no-transformers --device cpu --quantization $q --cpu-isa $CPU_ISA --out "$OUT/decode_$q.json" > "$OUT/decode_$q.log" 2>&1
     done
     "$LLAMA_BIN/llama-bench" -m "$F16" -t $THREADS -p 0 -n 128 -r 3 -o json > "$OUT/llamacpp_decode_f16.json"
     "$LLAMA_Q4_BIN/llama-bench" -m "$Q4" -t $THREADS -p 0 -n 128 -r 3 -o json > "$OUT/llamacpp_decode_q4_0.json"
@@ -64,7 +64,7 @@ for step in $STEPS; do
   streams)
     for q in none int4; do
       for streams in 1 16; do
-        anna serve --model "$MODEL" --quantization $q --cpu-isa $CPU_ISA --max-num-seqs 16 --port 8000 --served-model-name qwen \
+        anna serve --model "$MODEL" --device cpu --quantization $q --cpu-isa $CPU_ISA --max-num-seqs 16 --port 8000 --served-model-name qwen \
           --log-level warning > "$OUT/anna_serve_${q}_$streams.log" 2>&1 &
         pid=$!
         python benchmarks/server_streams.py --base-url http://127.0.0.1:8000 --model qwen --streams $streams \
