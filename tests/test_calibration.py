@@ -234,6 +234,47 @@ def test_a_calibration_that_cannot_run_leaves_the_built_in_values(qwen2_dir, sto
     assert "Calibration not stored" in caplog.text
 
 
+def test_every_setting_is_measured_once_before_any_is_measured_again(qwen2_dir, store, monkeypatch):
+    """The later rounds run breadth-first: a budget that covers the first rounds and no more leaves
+    every setting that applies with every point of its first round (depth-first, the first setting's
+    extra rounds took the budget and the chunk size was never measured on a Zen 1); with room for
+    more, every point keeps its best time."""
+    from anna.platforms.cpu import calibration
+    from anna.platforms.cpu.calibration import OutOfTime, Timer, measure
+
+    class CallBudget(Timer):  # the budget counts timed calls; each call "takes" ``take`` seconds
+        def __init__(self, calls: int, take=lambda: 1.0) -> None:
+            super().__init__(budget_s=0.0)
+            self.calls, self.left, self.take = 0, calls, take
+
+        def seconds(self, fn, warm_up):
+            if self.left == 0:
+                raise OutOfTime
+            self.left -= 1
+            self.calls += 1
+            return self.take()
+
+    engine = _engine(qwen2_dir, store, calibrate=False)
+    model, ops = engine.runner.model, engine.runner.model.norm.ops
+    monkeypatch.setattr(calibration, "ROUNDS", 1)
+    first = CallBudget(10 ** 6)
+    full = measure(model, ops, max_chunk=2048, timer=first)
+    assert "long_prefill_token_threshold" in full and len(full) >= 2
+    monkeypatch.setattr(calibration, "ROUNDS", 3)
+    assert measure(model, ops, max_chunk=2048, timer=CallBudget(first.calls)) == full
+    assert ops.routing.gemv_max_rows == 128  # (measuring restores the routing it changes)
+
+    # room for every round: each point keeps the least of its three times (round r's calls take 1/r s)
+    budget = CallBudget(10 ** 6, take=lambda: 1.0 / (1 + (budget.calls - 1) // first.calls))
+    best = measure(model, ops, max_chunk=2048, timer=budget)
+    assert budget.calls == 3 * first.calls
+    assert {name: m["rows" if "rows" in m else "tokens"] for name, m in best.items()} == \
+        {name: m["rows" if "rows" in m else "tokens"] for name, m in full.items()}
+    for name, m in best.items():  # (a pass's seconds scale each timed call to its group's layers)
+        for series in {"kernel_s", "other_s", "seconds"} & set(m):
+            assert m[series] == pytest.approx([t / 3 for t in full[name][series]]), (name, series)
+
+
 def test_anna_tune_measures_again_and_stores(qwen2_dir, store, capsys):
     from anna.cli.main import main
 

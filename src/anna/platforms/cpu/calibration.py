@@ -27,13 +27,17 @@ them). Above it, one layer of each shape is timed.
 - ``cpu_bf16_pair_max_rows`` (a bf16 model on Anna's AVX2 kernels): the weight-streaming kernel
   widening bf16 weights in registers against the same kernel converting each block once, at the
   Ms of PAIR_ROWS, on the layers (not the lm_head). Measured after the bound above, which moves
-  prefill far more and which, on a Zen 1, took most of the budget by itself;
+  prefill far more;
 - ``int4_gemv_m_threshold`` (int4 with int4_matmul auto): the packed int4 kernel against the
   dequantized GEMM;
 - ``cpu_upcast_min_rows`` (torch's ops on half weights without hardware bf16): torch's half
   matmul against the fp32 one on the converted weight;
 - ``long_prefill_token_threshold`` (the throughput profile's chunk size): the smallest chunk
   whose matmul time per token is within 20% of the best chunk's (CHUNK_TOLERANCE).
+Each setting's first round (every M once, in the order above; a setting uses the first-round
+choices of those before it) runs before any setting is timed again, and the later rounds go
+breadth-first, so that a slow host's budget runs out on extra samples, not on a setting left at its
+built-in value (on a Zen 1, three rounds of ``cpu_gemv_max_rows`` alone took the whole budget).
 ``choose`` turns measurements into values and is a pure function of them.
 """
 
@@ -228,6 +232,33 @@ ROUNDS = 3  # every M is timed once per round and keeps its best: rounds spread 
 # so that this VM's slow spells (seconds long) do not land on one M only
 
 
+@dataclass
+class Series:
+    """One setting's measurement: the points its first round timed (``out[point]``, with a list of
+    seconds per name in ``names``) and how to time a point again, in the same routing."""
+
+    out: dict[str, list]
+    point: str
+    names: tuple[str, ...]
+    again: Callable[[int], list[float]]
+
+
+def _later_rounds(series: list[Series]) -> None:
+    """Rounds 2..ROUNDS, breadth-first: each round times every setting's points once more and each
+    point keeps its best. The budget that runs out cuts a round short, keeping what it finished, but
+    never leaves a setting unmeasured behind another's extra rounds (on a Zen 1, the three rounds
+    of cpu_gemv_max_rows alone took the whole budget)."""
+    for _ in range(ROUNDS - 1):
+        for s in series:
+            for i, x in enumerate(s.out[s.point]):
+                try:
+                    times = s.again(x)
+                except OutOfTime:
+                    return
+                for name, t in zip(s.names, times):
+                    s.out[name][i] = min(s.out[name][i], t)
+
+
 @contextmanager
 def _routing(ops: Any, **changes: Any) -> Iterator[None]:
     saved = ops.routing
@@ -253,26 +284,11 @@ def _model_seconds(timer: Timer, groups: list[LayerGroup], rows: int, warm_up: b
     return total
 
 
-def _in_rounds(out: dict[str, list], point: str, series: tuple[str, ...],
-               again: Callable[[int], list[float]]) -> dict[str, list]:
-    """The first round (``out``) decided which points are measured; later rounds time each again
-    and keep its best (a round cut short by the budget keeps what it finished)."""
-    for _ in range(ROUNDS - 1):
-        for i, x in enumerate(out[point]):
-            try:
-                times = again(x)
-            except OutOfTime:
-                return out
-            for name, t in zip(series, times):
-                out[name][i] = min(out[name][i], t)
-    return out
-
-
 def _crossover(timer: Timer, ops: Any, groups: list[LayerGroup], rows: tuple[int, ...],
                kernel: Callable[[int], dict[str, Any]], other: dict[str, Any],
-               losses_to_stop: int = 2) -> dict[str, list]:
-    """Both paths at each M; the first round stops once the kernel has lost at ``losses_to_stop``
-    Ms in a row (0: every M is measured)."""
+               losses_to_stop: int = 2) -> Series:
+    """Both paths at each M, the first round; it stops once the kernel has lost at
+    ``losses_to_stop`` Ms in a row (0: every M is measured)."""
     def at(m: int, warm_up: bool = False) -> list[float]:
         with _routing(ops, **kernel(m)):
             k = _model_seconds(timer, groups, m, warm_up)
@@ -292,61 +308,74 @@ def _crossover(timer: Timer, ops: Any, groups: list[LayerGroup], rows: tuple[int
         losses = losses + 1 if k > o else 0
         if losses_to_stop and losses == losses_to_stop:
             break
-    return _in_rounds(out, "rows", ("kernel_s", "other_s"), at)
+    return Series(out, "rows", ("kernel_s", "other_s"), at)
+
+
+def _chunks(timer: Timer, ops: Any, body: list[LayerGroup], max_chunk: int, routing: dict[str, Any]) -> Series:
+    """The body's matmul time at each chunk of CHUNK_TOKENS up to ``max_chunk``, in ``routing``."""
+    def at(n: int, warm_up: bool = False) -> list[float]:
+        with _routing(ops, **routing):
+            return [_model_seconds(timer, body, n, warm_up)]
+
+    out: dict[str, list] = {"tokens": [], "seconds": []}
+    for n in (c for c in CHUNK_TOKENS if c <= max_chunk):
+        try:
+            [seconds] = at(n, warm_up=True)
+        except OutOfTime:
+            break
+        out["tokens"].append(n)
+        out["seconds"].append(seconds)
+    return Series(out, "tokens", ("seconds",), at)
 
 
 def measure(model: torch.nn.Module, ops: Any, max_chunk: int, budget_s: float = BUDGET_S,
-            max_rows: int = 1 << 30) -> dict[str, dict[str, list]]:
+            max_rows: int = 1 << 30, timer: Timer | None = None) -> dict[str, dict[str, list]]:
     """Measurements for each setting that applies to this model and ops (``max_rows``: the most
-    positions a step samples, max_num_seqs)."""
-    timer = Timer(budget_s, max_rows)
+    positions a step samples, max_num_seqs). Every setting's first round runs before any setting's
+    second (_later_rounds); a setting measured after another uses that one's first-round choice."""
+    timer = timer or Timer(budget_s, max_rows)
     groups = layer_groups(model)
     dense = [g for g in groups if not isinstance(g.layer, QuantLinear) or g.layer.kind == 0]
     int4 = [g for g in groups if isinstance(g.layer, QuantLinear) and g.layer.kind == 1]
     half = [g for g in groups if not isinstance(g.layer, QuantLinear) and g.layer.weight.element_size() == 2]
     bf16 = [g for g in dense if not isinstance(g.layer, QuantLinear) and g.layer.weight.dtype == torch.bfloat16]
-    out: dict[str, dict[str, list]] = {}
+    series: dict[str, Series] = {}
+
+    def chosen() -> dict[str, int]:
+        return choose({name: s.out for name, s in series.items()})
+
     with torch.inference_mode():
         if ops.kernels is not None and bf16 and ops.routing.bf16_matmul:
             kernel_serves = {"gemv_max_rows": max(DOT_ROWS)}  # the weight-streaming kernel, with and without
-            out["cpu_bf16_dot_min_rows"] = _crossover(timer, ops, bf16, DOT_ROWS,
-                                                      lambda m: kernel_serves | {"bf16_dot_rows": 1},
-                                                      kernel_serves | {"bf16_dot_rows": 0}, losses_to_stop=0)
+            series["cpu_bf16_dot_min_rows"] = _crossover(timer, ops, bf16, DOT_ROWS,
+                                                         lambda m: kernel_serves | {"bf16_dot_rows": 1},
+                                                         kernel_serves | {"bf16_dot_rows": 0}, losses_to_stop=0)
         if ops.kernels is not None and dense:
-            dot = choose(out).get("cpu_bf16_dot_min_rows", ops.routing.bf16_dot_rows)
-            with _routing(ops, bf16_dot_rows=dot):
-                out["cpu_gemv_max_rows"] = _crossover(timer, ops, dense, GEMV_ROWS, lambda m: {"gemv_max_rows": m},
-                                                      {"gemv_max_rows": 0})
+            dot = {"bf16_dot_rows": chosen().get("cpu_bf16_dot_min_rows", ops.routing.bf16_dot_rows)}
+            series["cpu_gemv_max_rows"] = _crossover(timer, ops, dense, GEMV_ROWS,
+                                                     lambda m: dot | {"gemv_max_rows": m}, dot | {"gemv_max_rows": 0})
         # (the layers' shapes only: the crossover is the kernel's, and a tied lm_head at 128 rows
         # would cost more of the budget than all of them)
         bf16_body = [g for g in bf16 if not g.lm_head]
         if ops.kernels is not None and bf16_body and ops.kernels.widens_bf16_pairs:
             kernel_serves = {"gemv_max_rows": max(PAIR_ROWS)}  # the weight-streaming kernel, either way
-            out["cpu_bf16_pair_max_rows"] = _crossover(timer, ops, bf16_body, PAIR_ROWS,
-                                                       lambda m: kernel_serves | {"bf16_pair_max_rows": m},
-                                                       kernel_serves | {"bf16_pair_max_rows": 0})
+            series["cpu_bf16_pair_max_rows"] = _crossover(timer, ops, bf16_body, PAIR_ROWS,
+                                                          lambda m: kernel_serves | {"bf16_pair_max_rows": m},
+                                                          kernel_serves | {"bf16_pair_max_rows": 0})
         if ops.kernels is not None and int4 and ops.routing.int4_matmul == "auto":
-            out["int4_gemv_m_threshold"] = _crossover(timer, ops, int4, INT4_ROWS,
-                                                      lambda m: {"int4_gemv_m_threshold": m},
-                                                      {"int4_gemv_m_threshold": 0})
+            series["int4_gemv_m_threshold"] = _crossover(timer, ops, int4, INT4_ROWS,
+                                                         lambda m: {"int4_gemv_m_threshold": m},
+                                                         {"int4_gemv_m_threshold": 0})
         if ops.kernels is None and half and not ops.routing.bf16_matmul:
-            out["cpu_upcast_min_rows"] = _crossover(timer, ops, half, UPCAST_ROWS, lambda m: {"upcast_min_rows": 0},
-                                                    {"upcast_min_rows": 1})
+            series["cpu_upcast_min_rows"] = _crossover(timer, ops, half, UPCAST_ROWS,
+                                                       lambda m: {"upcast_min_rows": 0}, {"upcast_min_rows": 1})
         body = [g for g in groups if not g.lm_head]
         if body:
-            chosen = choose(out)
-            changes = {field: chosen[name] for name, field in ROUTING_FIELDS.items() if name in chosen}
-            chunk: dict[str, list] = {"tokens": [], "seconds": []}
-            with _routing(ops, **changes):
-                for n in (c for c in CHUNK_TOKENS if c <= max_chunk):
-                    try:
-                        chunk["seconds"].append(_model_seconds(timer, body, n, warm_up=True))
-                    except OutOfTime:
-                        break
-                    chunk["tokens"].append(n)
-                out["long_prefill_token_threshold"] = _in_rounds(
-                    chunk, "tokens", ("seconds",), lambda n: [_model_seconds(timer, body, n, warm_up=False)])
-    return out
+            routing = {field: value for name, field in ROUTING_FIELDS.items()
+                       if (value := chosen().get(name)) is not None}
+            series["long_prefill_token_threshold"] = _chunks(timer, ops, body, max_chunk, routing)
+        _later_rounds(list(series.values()))
+    return {name: s.out for name, s in series.items()}
 
 
 # setting name -> LinearRouting field
