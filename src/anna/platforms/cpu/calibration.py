@@ -331,8 +331,10 @@ def _chunks(timer: Timer, ops: Any, body: list[LayerGroup], max_chunk: int, rout
 def measure(model: torch.nn.Module, ops: Any, max_chunk: int, budget_s: float = BUDGET_S,
             max_rows: int = 1 << 30, timer: Timer | None = None) -> dict[str, dict[str, list]]:
     """Measurements for each setting that applies to this model and ops (``max_rows``: the most
-    positions a step samples, max_num_seqs). Every setting's first round runs before any setting's
-    second (_later_rounds); a setting measured after another uses that one's first-round choice."""
+    positions a step samples, max_num_seqs; ``timer``, where given, brings its own deadline and
+    sampled rows instead of ``budget_s`` and ``max_rows``). Every setting's first round runs before
+    any setting's second (_later_rounds); a setting measured after another uses that one's
+    first-round choice."""
     timer = timer or Timer(budget_s, max_rows)
     groups = layer_groups(model)
     dense = [g for g in groups if not isinstance(g.layer, QuantLinear) or g.layer.kind == 0]
