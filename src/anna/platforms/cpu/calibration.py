@@ -373,8 +373,8 @@ def measure(model: torch.nn.Module, ops: Any, max_chunk: int, budget_s: float = 
                                                        lambda m: {"upcast_min_rows": 0}, {"upcast_min_rows": 1})
         body = [g for g in groups if not g.lm_head]
         if body:
-            routing = {field: value for name, field in ROUTING_FIELDS.items()
-                       if (value := chosen().get(name)) is not None}
+            picked = chosen()
+            routing = {field: picked[name] for name, field in ROUTING_FIELDS.items() if name in picked}
             series["long_prefill_token_threshold"] = _chunks(timer, ops, body, max_chunk, routing)
         _later_rounds(list(series.values()))
     return {name: s.out for name, s in series.items()}
