@@ -48,6 +48,34 @@ def test_compiled_fullgraph_forward_matches_eager(cache_dir, tmp_path):
     assert any((tmp_path / "inductor").iterdir())  # and used the configured cache directory
 
 
+def test_the_parts_a_module_leaves_eager_are_not_traced():
+    """A method named in a module's eager_under_compile runs eager inside the compiled forward (the
+    MoE's expert loop reads its counts back to the host: traced, every new routing would compile
+    again). Here three calls with other counts reuse the forward's two pieces around it."""
+    import torch
+    from torch._dynamo.utils import counters
+
+    from anna.runtime.compilation import keep_eager_parts
+
+    class Routed(torch.nn.Module):
+        eager_under_compile = ("spread",)
+
+        def forward(self, x):
+            return self.spread(x * 2) + 1
+
+        def spread(self, x):
+            counts = torch.bincount((x > 0).long(), minlength=2).tolist()
+            return x * counts[1]
+
+    module = Routed()
+    keep_eager_parts(module)
+    compiled = torch.compile(module.forward, backend="eager", dynamic=True)
+    counters.clear()
+    for x in (torch.tensor([1.0, -1, 2]), torch.tensor([-1.0, -1, 2, 4]), torch.tensor([1.0, 1, 2])):
+        assert torch.equal(compiled(x), 2 * x * int((x > 0).sum()) + 1)
+    assert counters["stats"]["unique_graphs"] == 2  # traced, spread gives 4
+
+
 def test_compile_failure_falls_back_to_eager(qwen2_dir, cache_dir, tmp_path, eager_tokens, caplog):
     # fullgraph cannot trace through Anna's C kernels (called with ctypes): compilation fails
     llm = make(qwen2_dir, cache_dir, tmp_path, compile_mode="default", compile_fullgraph=True)

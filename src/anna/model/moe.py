@@ -55,11 +55,12 @@ class SparseMoE(nn.Module):
             out += torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
 
-    @torch.compiler.disable
+    # Left to eager under torch.compile (runtime/compilation.py): traced, the counts read back
+    # would become constants and every step with another routing would compile again.
+    eager_under_compile = ("run_experts",)
+
     def run_experts(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """sum over each token's experts of weight * expert(token). Left to eager under
-        torch.compile: traced, the counts read back would become constants and every step with
-        another routing would compile again."""
+        """sum over each token's experts of weight * expert(token)."""
         choices = experts.flatten()
         order = choices.argsort(stable=True)  # the (token, k) choices grouped by expert
         counts = torch.bincount(choices, minlength=len(self.experts)).tolist()

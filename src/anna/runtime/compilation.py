@@ -31,14 +31,25 @@ def first_line(exc: BaseException) -> str:
     return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
 
 
-class CompiledForward:
-    """Calls the compiled function; on the first failure, warns once and runs eager from then on."""
+def keep_eager_parts(model: torch.nn.Module) -> None:
+    """Leave the methods that a module names in its ``eager_under_compile`` to eager, on each
+    instance. Done here, when a model is compiled, rather than by decorating them: the decorator
+    imports torch._dynamo with the model's module, 2.5 s of every process's start on a 2-core CPU
+    (each server, each tensor-parallel rank) that a model served eager never uses."""
+    for module in model.modules():
+        for name in getattr(module, "eager_under_compile", ()):
+            setattr(module, name, torch.compiler.disable(getattr(module, name)))
 
-    def __init__(self, eager: Callable[..., Any], mode: str, fullgraph: bool) -> None:
-        self.eager = eager
+
+class CompiledForward:
+    """Calls the model's compiled forward; on the first failure, warns once and runs eager from then on."""
+
+    def __init__(self, model: torch.nn.Module, mode: str, fullgraph: bool) -> None:
+        keep_eager_parts(model)
+        self.eager = model.forward
         self.mode = mode
         self.compiled: Callable[..., Any] | None = torch.compile(
-            eager, mode=None if mode == "default" else mode, fullgraph=fullgraph, dynamic=True)
+            self.eager, mode=None if mode == "default" else mode, fullgraph=fullgraph, dynamic=True)
 
     def __call__(self, *args: Any) -> Any:
         if self.compiled is not None:

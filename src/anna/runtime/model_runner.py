@@ -156,7 +156,7 @@ class ModelRunner:
         self.num_speculative_tokens = speculative.config.num_speculative_tokens if speculative else 0
         self.profiler = profiler  # --profile-runtime: sampling is one of its regions
         self.model_forward = model.forward if compile_mode == "none" else \
-            CompiledForward(model.forward, compile_mode, compile_fullgraph)
+            CompiledForward(model, compile_mode, compile_fullgraph)
         self.caches = caches
         self.kv = caches.kv
         self.platform = platform
