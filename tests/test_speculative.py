@@ -175,17 +175,19 @@ def test_rejection_sampling_keeps_the_target_distribution():
     logits = torch.stack([p0.log(), p1.log(), p1.log()])  # the last row: position 2 (never reached in the count)
     sampler = Sampler(seed=1234, device=torch.device("cpu"))
     params = SamplingParams(temperature=1.0, max_tokens=100)
-    n = 20000
+    n, batch = 20000, 500  # verified 500 requests a step, as a busy server would
     first = torch.zeros(vocab)
     second = torch.zeros(vocab)
     accepted0 = 0
-    for i in range(n):
-        found = verify(sampler, logits, [[0, 1, 2]], [_request(f"r{i}", params)], [[1, 4]], max_model_len=1 << 20)
-        tokens = found.tokens[0]
-        first[tokens[0]] += 1
-        if tokens[0] == 1:
-            accepted0 += 1
-            second[tokens[1]] += 1
+    rows = [[3 * b, 3 * b + 1, 3 * b + 2] for b in range(batch)]
+    for step in range(n // batch):
+        requests = [_request(f"r{step}-{b}", params) for b in range(batch)]
+        found = verify(sampler, logits.repeat(batch, 1), rows, requests, [[1, 4]] * batch, max_model_len=1 << 20)
+        for tokens in found.tokens:
+            first[tokens[0]] += 1
+            if tokens[0] == 1:
+                accepted0 += 1
+                second[tokens[1]] += 1
     assert abs(accepted0 / n - p0[1]) < 0.015  # P(accept) = p(d)
     assert (first / n - p0).abs().max() < 0.015
     assert (second / second.sum() - p1).abs().max() < 0.03
