@@ -66,6 +66,33 @@ def test_the_choice_is_a_pure_function_of_the_measurements():
     assert smallest_good_chunk([128, 256], [1.0, 1.0]) == 256  # 128 costs twice as much per token
 
 
+def test_a_long_first_call_is_its_own_sample(monkeypatch):
+    """A shape's first call is timed again only when it was short: the code generation and
+    first-touch pages it pays for are milliseconds, and a long call timed twice spent a slow host's
+    budget on the second call (the largest M of the int4 bound filled most of its first round)."""
+    from anna.platforms.cpu import calibration
+    from anna.platforms.cpu.calibration import WARM_UP_MAX_S, Timer
+
+    clock = [0.0]
+    monkeypatch.setattr(calibration.time, "perf_counter", lambda: clock[0])
+    timer = Timer(budget_s=100.0)
+
+    def call_taking(*durations: float):
+        calls = iter(durations)
+
+        def fn() -> None:
+            clock[0] += next(calls)
+        return fn
+
+    long, short = WARM_UP_MAX_S * 1.5, WARM_UP_MAX_S / 2
+    assert timer.seconds(call_taking(long), warm_up=True) == pytest.approx(long)  # one call, a sample
+    assert timer.seconds(call_taking(short, 0.001), warm_up=True) == pytest.approx(0.001)  # warmed, then timed
+    assert timer.seconds(call_taking(short), warm_up=False) == pytest.approx(short)
+    clock[0] = 101.0
+    with pytest.raises(calibration.OutOfTime):
+        timer.seconds(call_taking(short), warm_up=False)
+
+
 def test_the_lm_head_is_timed_only_at_the_rows_a_step_samples():
     """A step's lm_head multiplies the sampled positions only (at most max_num_seqs): at larger M
     (prefill chunks) a pass of the model does not include it."""

@@ -65,6 +65,7 @@ from anna.platforms.cpu.isa import LEVEL_FLAGS, CpuIsa
 log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 2  # 2: layers timed streamed from memory (STREAMED_BYTES)
+WARM_UP_MAX_S = 0.2  # a first call this long is its own sample (Timer.seconds)
 BUDGET_S = 15.0  # the most one calibration measures; what is left unmeasured keeps its built-in value
 STREAMED_BYTES = 64 << 20  # weights per timed pass: twice a 32 MB last-level cache
 STREAMED_MAX_ROWS = 16
@@ -219,10 +220,16 @@ class Timer:
         self.sampled_rows = sampled_rows
 
     def seconds(self, fn: Callable[[], Any], warm_up: bool) -> float:
+        """One call's seconds; with ``warm_up``, a shape's first: it is timed again unless it took
+        WARM_UP_MAX_S or more (the first call pays for oneDNN's code generation and first-touch
+        pages, milliseconds that matter to a short call only, and the later rounds keep the best)."""
         if time.perf_counter() > self.deadline:
             raise OutOfTime
-        if warm_up:  # (a shape's first call pays for oneDNN's code generation and first-touch pages)
-            fn()
+        t0 = time.perf_counter()
+        fn()
+        first = time.perf_counter() - t0
+        if not warm_up or first >= WARM_UP_MAX_S:
+            return first
         t0 = time.perf_counter()
         fn()
         return time.perf_counter() - t0
