@@ -63,3 +63,18 @@ def test_never_written_cache_slots_do_not_leak(hf_models, cache_dir):
         v.fill_(float("nan"))
     logits, tokens = run_logits(engine, PROMPT[:21], 5)
     assert_logits_close(logits, hf_logits(model, PROMPT[:21] + tokens[:-1]))
+
+
+def test_the_rotary_tables_are_the_correctly_rounded_cos_and_sin_of_transformers_angles():
+    """The cos and sin tables at every position are the fp32 angles' (inv_freq times the position,
+    rounded to fp32 as transformers computes them) cos and sin to within rounding: torch's own fp32
+    cos of angles in the hundreds of radians once came out 1.5e-4 off in some processes, which moved
+    every logit past the first position beyond the transformers comparison's tolerance."""
+    import torch
+
+    from anna.model.layers import RotaryEmbedding, rope_inv_freq
+
+    rotary = RotaryEmbedding(128, 4096, 1e6, None, torch.float32)
+    angles = (torch.arange(4096, dtype=torch.float32)[:, None] * rope_inv_freq(128, 1e6, None)).double()
+    assert (rotary.cos.double() - angles.cos()).abs().max() <= 2 ** -24  # half an ulp of values near 1
+    assert (rotary.sin.double() - angles.sin()).abs().max() <= 2 ** -24

@@ -67,7 +67,10 @@ class RotaryEmbedding(nn.Module):
                  dtype: torch.dtype) -> None:
         super().__init__()
         inv_freq = rope_inv_freq(head_dim, theta, scaling)
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+        # the angles in fp32, as transformers computes them; their cos and sin in fp64, rounded once:
+        # torch's fp32 cos of angles in the hundreds of radians came out 1.5e-4 off in some
+        # processes on an AVX-512 host (a vector path chosen at run time), enough to move logits
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq).double()
         self.register_buffer("cos", freqs.cos().to(dtype), persistent=False)
         self.register_buffer("sin", freqs.sin().to(dtype), persistent=False)
 
