@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from anna.platforms.cpu.calibration import (CHUNK_TOKENS, DOT_ROWS, GEMV_ROWS, PAIR_ROWS, calibrate, choose,
+from anna.platforms.cpu.calibration import (ATTENTION_TOKENS, CHUNK_TOKENS, DOT_ROWS, GEMV_ROWS, PAIR_ROWS, calibrate, choose,
                                             first_crossing, first_lasting_win, smallest_good_chunk)
 from anna.platforms.cpu.isa import detect_isa
 
@@ -51,9 +51,12 @@ def test_the_choice_is_a_pure_function_of_the_measurements():
         # bf16 weights widened in registers no slower up to M = 32, slower from 64 on
         "cpu_bf16_pair_max_rows": {"rows": [4, 8, 16, 32, 64, 128], "kernel_s": [1, 1, 1, 2, 5, 5],
                                    "other_s": [2, 2, 2, 2, 4, 4]},
+        # torch's SDPA ("other") slower than Anna's attention kernel up to 64 tokens, no slower from 256 on
+        "cpu_sdpa_min_tokens": {"rows": [16, 64, 256, 1024], "kernel_s": [1, 2, 5, 9], "other_s": [2, 3, 4, 8]},
     }
     want = {"cpu_gemv_max_rows": 16, "int4_gemv_m_threshold": 0, "cpu_upcast_min_rows": 4,
-            "long_prefill_token_threshold": 256, "cpu_bf16_dot_min_rows": 4, "cpu_bf16_pair_max_rows": 32}
+            "long_prefill_token_threshold": 256, "cpu_bf16_dot_min_rows": 4, "cpu_bf16_pair_max_rows": 32,
+            "cpu_sdpa_min_tokens": 256}
     assert choose(measurements) == want
     assert choose(json.loads(json.dumps(measurements))) == want  # as read back from the store
     assert choose({"cpu_gemv_max_rows": {"rows": [], "kernel_s": [], "other_s": []}}) == {}  # no data: built-in
@@ -64,6 +67,10 @@ def test_the_choice_is_a_pure_function_of_the_measurements():
     assert choose({"cpu_upcast_min_rows": {"rows": [1, 2], "kernel_s": [1, 1], "other_s": [2, 2]}}) == \
         {"cpu_upcast_min_rows": 0}  # half never slower: never upcast
     assert smallest_good_chunk([128, 256], [1.0, 1.0]) == 256  # 128 costs twice as much per token
+    sdpa = {"rows": [16, 64], "kernel_s": [1, 1], "other_s": [2, 2]}
+    assert choose({"cpu_sdpa_min_tokens": sdpa}) == {"cpu_sdpa_min_tokens": 0}  # the kernel always faster: never
+    sdpa = {"rows": [16, 64], "kernel_s": [2, 2], "other_s": [1, 1]}
+    assert choose({"cpu_sdpa_min_tokens": sdpa}) == {"cpu_sdpa_min_tokens": 16}  # SDPA always faster
 
 
 def test_a_long_first_call_is_its_own_sample(monkeypatch):
@@ -163,7 +170,7 @@ def test_the_first_start_measures_stores_and_applies(qwen2_dir, store):
     # ... or, on the avx2 level's kernels, the bound of bf16 weights widened in registers
     routing = engine.runner.model.norm.ops.routing
     pairs = {"cpu_bf16_pair_max_rows"} if engine.runner.model.norm.ops.kernels.widens_bf16_pairs else set()
-    assert set(values) == {"cpu_gemv_max_rows", "long_prefill_token_threshold"} | dot | pairs
+    assert set(values) == {"cpu_gemv_max_rows", "cpu_sdpa_min_tokens", "long_prefill_token_threshold"} | dot | pairs
     assert choose(stored["measurements"]) == values  # deterministic given what it measured
     gemv = stored["measurements"]["cpu_gemv_max_rows"]
     assert gemv["rows"] == list(GEMV_ROWS[:len(gemv["rows"])]) and len(gemv["rows"]) >= 2
@@ -180,6 +187,9 @@ def test_the_first_start_measures_stores_and_applies(qwen2_dir, store):
         measured = stored["measurements"]["cpu_bf16_pair_max_rows"]["rows"]
         assert len(measured) >= 2 and measured == list(PAIR_ROWS[:len(measured)])
         assert routing.bf16_pair_max_rows == values["cpu_bf16_pair_max_rows"]
+    attention = stored["measurements"]["cpu_sdpa_min_tokens"]  # every length, both paths
+    assert attention["rows"] == list(ATTENTION_TOKENS) and all(t > 0 for t in attention["kernel_s"] + attention["other_s"])
+    assert routing.sdpa_min_tokens == values["cpu_sdpa_min_tokens"]
     assert engine.scheduler.config.long_prefill_token_threshold == values["long_prefill_token_threshold"]
     assert "calibrated" in engine.settings.table()
 

@@ -67,6 +67,8 @@ def test_this_machine_and_the_engine_agree(qwen2_dir, cache_dir):
         ops = llm.llm_engine.runner.model.norm.ops  # (one ops object for all layers)
         assert ops.routing.bf16_matmul == bf16
         assert ops.attention_dtype == (torch.bfloat16 if bf16 else torch.float32)  # prefill attention follows
+        # ... on torch's SDPA (oneDNN's bf16 tiles) where that bf16 runs on an AMX CPU, else on Anna's kernel
+        assert ops.routing.sdpa_min_tokens == (1 if bf16 and force == "auto" and here.has("amx") else 0)
     fp32 = LLM(str(qwen2_dir), dtype="float32", device="cpu", cache_dir=str(cache_dir), max_model_len=256,
                num_gpu_blocks_override=32)
     assert not fp32.llm_engine.runner.model.norm.ops.routing.bf16_matmul  # an fp32 model stays in fp32
@@ -135,13 +137,44 @@ def test_the_bf16_mlp_keeps_its_intermediate_in_bf16(bias):
     torch.testing.assert_close(on, off, rtol=0.05, atol=0.1)
 
 
+def test_prompt_attention_runs_on_sdpa_from_the_routed_context_length(cache_dir):
+    """routing.sdpa_min_tokens: a prompt chunk whose context has that many tokens or more attends on
+    torch's SDPA (the torch ops' path, in attention_dtype), a shorter one on Anna's kernel; 0: the
+    kernel at every length. Chunks after a cached prefix (a mask) and sliding windows follow the
+    same rule."""
+    from conftest import kernels_at_level
+
+    from anna.model.attention import sdpa_attention
+    from anna.model.ops import LinearRouting
+    from anna.platforms.cpu.ops import CpuKernelOps
+
+    kernels = kernels_at_level("avx2", cache_dir)
+    torch.manual_seed(0)
+    for sdpa in (0, 48):
+        ops = CpuKernelOps(kernels, routing=LinearRouting(sdpa_min_tokens=sdpa))
+        for tq, tk, window in ((47, 47, None), (48, 48, None), (16, 60, None), (16, 40, None), (60, 60, 20)):
+            q, k, v = torch.randn(tq, 4, 16), torch.randn(tk, 2, 16), torch.randn(tk, 2, 16)
+            qpos, kpos = torch.arange(tk - tq, tk).unsqueeze(1), torch.arange(tk).unsqueeze(0)
+            mask = (kpos <= qpos) & (kpos > qpos - (window or tk)) if tq != tk or window else None
+            got = ops.causal_attention(q, k, v, 0.25, mask, window)
+            if sdpa and tk >= sdpa:
+                want = sdpa_attention(q, k, v, 0.25, mask, torch.float32)
+            else:
+                want = kernels.causal_attention(q, k, v, 0.25, window)
+            assert torch.equal(got, want), (sdpa, tq, tk, window)
+            assert not torch.equal(sdpa_attention(q, k, v, 0.25, mask, torch.float32),
+                                   kernels.causal_attention(q, k, v, 0.25, window))  # two paths, two results
+
+
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3_moe"])
 def test_bf16_prefill_logits_stay_with_transformers(arch, hf_models, cache_dir, tmp_path):
     """A bf16 checkpoint, a 200-token prompt (every matmul past the weight-streaming kernel's 128
     rows): Anna's prefill logits, with large bf16 matmuls and prefill attention in bf16 (attention
-    on vdpbf16ps only where the CPU has AVX512-BF16) and in fp32, are no farther from the exact
-    result (transformers in fp32 on the same bf16 weights) than transformers' own bf16 run is, and
-    pick the same top token as often."""
+    on vdpbf16ps only where the CPU has AVX512-BF16) and in fp32, and with the attention on torch's
+    SDPA instead of Anna's kernel (cpu_sdpa_min_tokens: the prompt whole, and in chunks of 64 that
+    attend over their cached prefix through a mask), are no farther from the exact result
+    (transformers in fp32 on the same bf16 weights) than transformers' own bf16 run is, and pick
+    the same top token as often."""
     from anna import LLM
     from conftest import VOCAB, save_hf_model
     from helpers import hf_logits, run_logits
@@ -153,22 +186,23 @@ def test_bf16_prefill_logits_stay_with_transformers(arch, hf_models, cache_dir, 
     hf_bf16 = hf_logits(hf, prompt)[: len(prompt)]
     exact = hf_logits(hf.float(), prompt)[: len(prompt)]
     got = {}
-    for bf16 in (True, False):
+    for bf16, sdpa, chunks in ((True, 0, None), (False, 0, None), (True, 1, None), (True, 1, [64, 64, 64, 8])):
         llm = LLM(str(path), dtype="bfloat16", device="cpu", cache_dir=str(cache_dir), max_model_len=512,
                   num_gpu_blocks_override=64)
         ops = llm.llm_engine.runner.model.norm.ops  # the one ops object every layer calls
-        ops.routing = dataclasses.replace(ops.routing, bf16_matmul=bf16)
+        ops.routing = dataclasses.replace(ops.routing, bf16_matmul=bf16, sdpa_min_tokens=sdpa)
         ops.attention_dtype = torch.bfloat16 if bf16 and detect_isa().bf16_matmul else torch.float32
-        got[bf16] = run_logits(llm.llm_engine, prompt, 0)[0][: len(prompt)].float()
+        got[bf16, sdpa, bool(chunks)] = run_logits(llm.llm_engine, prompt, 0, chunks)[0][: len(prompt)].float()
 
     def error(logits: torch.Tensor) -> tuple[float, float]:
         return (logits - exact).abs().max().item(), (logits.argmax(-1) == exact.argmax(-1)).float().mean().item()
 
     hf_err, hf_agree = error(hf_bf16)
-    for bf16, logits in got.items():
+    for config, logits in got.items():
         err, agree = error(logits)
-        assert err <= 1.1 * hf_err + 1e-3 and agree >= hf_agree - 0.02, (bf16, err, hf_err, agree, hf_agree)
-    assert not torch.equal(got[True], got[False])  # the two paths really differ
+        assert err <= 1.1 * hf_err + 1e-3 and agree >= hf_agree - 0.02, (config, err, hf_err, agree, hf_agree)
+    assert not torch.equal(got[True, 0, False], got[False, 0, False])  # the paths really differ
+    assert not torch.equal(got[True, 0, False], got[True, 1, False])
 
 
 def test_bf16_dot_products_stay_with_transformers_through_prefill_and_fused_decode(hf_models, cache_dir, tmp_path):

@@ -138,6 +138,11 @@ class ServeSettings:
             "weight-streaming kernel widens bf16 weights to fp32 in registers (a shift and a mask) for each 4 rows "
             "of x; at other M it converts each block of weights once for all rows. 0 = never; -1 = 32.",
         minimum=-1)
+    cpu_sdpa_min_tokens: int | None = _setting(
+        -1, "On CPU with Anna's kernels: a prompt chunk attending over a context of at least this many tokens runs "
+            "torch's scaled_dot_product_attention (oneDNN; bf16 on AMX tiles where the CPU has them) instead of "
+            "Anna's prefill attention kernel; 0 = never; -1 = by the CPU: 1 where the prefill attention runs in "
+            "bf16 on an AMX CPU (cpu_isa), else never.", minimum=-1)
     cpu_mlp_tile_rows: int | None = _setting(
         256, "On CPU, a gated MLP of more rows (prefill) runs in tiles of this many where Anna's kernels serve a "
              "tile from the stored weights, so that its wide intermediate rows stay in cache between its two "
@@ -145,7 +150,7 @@ class ServeSettings:
     calibrate: bool | None = _setting(
         True, "On CPU, the first start on a new host times this model's layers (a few seconds, before serving) to "
               "set cpu_gemv_max_rows, cpu_bf16_dot_min_rows, cpu_bf16_pair_max_rows, int4_gemv_m_threshold, "
-              "cpu_upcast_min_rows and the "
+              "cpu_upcast_min_rows, cpu_sdpa_min_tokens and the "
               "throughput profile's "
               "long_prefill_token_threshold, kept in {cache_dir}/calibration; a flag or ANNA_* value still wins "
               "(`anna tune MODEL` measures again). --no-calibrate: the built-in values.")
@@ -345,8 +350,8 @@ SECTION_FIELDS: dict[str, tuple[str, ...]] = {
     "parallel": ("tensor_parallel_size", "distributed_executor_backend", "nnodes", "node_rank", "master_addr",
                  "master_port"),
     "cpu": ("cpu_kernels", "cpu_kernel_compiler", "cpu_isa", "cpu_gemv_max_rows", "cpu_upcast_min_rows",
-            "cpu_bf16_dot_min_rows", "cpu_bf16_pair_max_rows", "cpu_mlp_tile_rows", "calibrate",
-            "cpu_huge_pages", "int4_matmul", "int4_gemv_m_threshold"),
+            "cpu_bf16_dot_min_rows", "cpu_bf16_pair_max_rows", "cpu_sdpa_min_tokens", "cpu_mlp_tile_rows",
+            "calibrate", "cpu_huge_pages", "int4_matmul", "int4_gemv_m_threshold"),
     "server": ("host", "port", "api_key", "allowed_origins", "max_n", "max_request_bytes", "header_read_timeout",
                "body_read_timeout", "shutdown_timeout", "prompt_workers", "tokenize_workers", "text_queue_limit",
                "web_ui", "responses_store_size", "tool_call_parser", "reasoning_parser", "log_level", "metrics_namespace",

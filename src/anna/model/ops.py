@@ -42,7 +42,8 @@ class QuantFormat:
 
 @dataclass(frozen=True)
 class LinearRouting:
-    """Which kernel serves a matmul of M rows (measured per machine; see docs/tuning.md)."""
+    """Which kernel serves a matmul of M rows, and a prompt's attention over T tokens (measured
+    per machine; see docs/tuning.md)."""
 
     gemv_max_rows: int = 128  # Anna's CPU kernels: largest M of the weight-streaming kernel
     upcast_min_rows: int = 8  # CPU without Anna's kernels: from this M on, half matmuls run in fp32
@@ -61,6 +62,10 @@ class LinearRouting:
     # CPU: a gated MLP of more rows runs in tiles of this many (0: whole), so that its wide
     # intermediate rows stay in cache between its two matmuls
     mlp_tile_rows: int = 256
+    # CPU with Anna's kernels: a prompt chunk attending over a context of at least this many tokens
+    # runs torch's SDPA (in attention_dtype; oneDNN's AMX tiles for bf16 where the CPU has them)
+    # instead of Anna's prefill attention kernel (0: never)
+    sdpa_min_tokens: int = 0
 
 
 class ModelOps:

@@ -168,15 +168,23 @@ BF16_DOT_MIN_ROWS = 8
 BF16_PAIR_MAX_ROWS = 32
 
 
-def linear_routing(cpu: Any, bf16_matmul: bool = False) -> LinearRouting:
+# cpu_sdpa_min_tokens -1: torch's SDPA for prompt attention from this many tokens where a bf16
+# model's attention runs in bf16 on an AMX CPU (benchmarks/attention_bench.py --prefill, a 2-vCPU AMX
+# Xeon: SDPA in bf16 1.6x Anna's kernel at 16 tokens, 3.6x at 512, 4.5x at 2,048), else never (a Zen 4,
+# AVX512-BF16 without AMX: Anna's kernel 2.3x SDPA's bf16 at 2,048)
+SDPA_MIN_TOKENS = {False: 0, True: 1}
+
+
+def linear_routing(cpu: Any, bf16_matmul: bool = False, amx: bool = False) -> LinearRouting:
     """The matmul routing thresholds of the cpu settings section (``bf16_matmul``: what the CPU's
     instruction sets allow for this model, platforms/cpu/isa.py; without it no bf16 dot product runs,
-    whatever cpu_bf16_dot_min_rows says)."""
+    whatever cpu_bf16_dot_min_rows says; ``amx``: the CPU runs at the amx level)."""
     threshold = cpu.int4_gemv_m_threshold if cpu.int4_gemv_m_threshold >= 0 else INT4_PACKED_MAX_ROWS[bf16_matmul]
     dot_rows = cpu.cpu_bf16_dot_min_rows if cpu.cpu_bf16_dot_min_rows >= 0 else BF16_DOT_MIN_ROWS
     pair_rows = cpu.cpu_bf16_pair_max_rows if cpu.cpu_bf16_pair_max_rows >= 0 else BF16_PAIR_MAX_ROWS
+    sdpa = cpu.cpu_sdpa_min_tokens if cpu.cpu_sdpa_min_tokens >= 0 else SDPA_MIN_TOKENS[bf16_matmul and amx]
     return LinearRouting(cpu.cpu_gemv_max_rows, cpu.cpu_upcast_min_rows, cpu.int4_matmul, threshold, bf16_matmul,
-                         dot_rows if bf16_matmul else 0, pair_rows, cpu.cpu_mlp_tile_rows)
+                         dot_rows if bf16_matmul else 0, pair_rows, cpu.cpu_mlp_tile_rows, sdpa)
 
 
 def no_graph_reason(profiling: bool, model: Any) -> str | None:

@@ -51,6 +51,17 @@ def _describe_kernels(kernels: Any, routing: Any, weight_dtype: torch.dtype) -> 
     return words
 
 
+def _describe_prefill_attention(ops: Any) -> str:
+    """The start-up log's words for which kernel attends a prompt, and in what dtype."""
+    dtype = str(ops.attention_dtype).removeprefix("torch.")
+    if ops.kernels is None:
+        return f"{dtype}, torch's SDPA"
+    sdpa = ops.routing.sdpa_min_tokens
+    if not sdpa:
+        return f"{dtype}, Anna's kernel"
+    return f"{dtype}, torch's SDPA" + (f" from {sdpa} tokens of context, Anna's kernel below" if sdpa > 1 else "")
+
+
 def _libc():
     try:
         return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
@@ -155,14 +166,15 @@ class CpuPlatform(Platform):
         isa = detect_isa(force=cpu.cpu_isa)
         log.info(isa.describe())
         kernels = build_cpu_kernels(cache_dir, cpu.cpu_kernel_compiler, isa) if cpu.cpu_kernels else None
-        routing = linear_routing(cpu, bf16_matmul=isa.bf16_matmul and weight_dtype == torch.bfloat16)
+        routing = linear_routing(cpu, bf16_matmul=isa.bf16_matmul and weight_dtype == torch.bfloat16,
+                                 amx=isa.has("amx"))
         ops = CpuTorchOps(quant, routing, profiler) if kernels is None else CpuKernelOps(kernels, quant, routing, profiler)
         if routing.bf16_matmul:
             ops.attention_dtype = torch.bfloat16
         log.info("CPU kernels: %s; larger bf16 matmuls: %s; prefill attention: %s",
                  _describe_kernels(kernels, routing, weight_dtype),
                  "bf16 (oneDNN, hardware bf16)" if routing.bf16_matmul else "fp32",
-                 str(ops.attention_dtype).removeprefix("torch."))
+                 _describe_prefill_attention(ops))
         return ops
 
     def calibrate(self, model: torch.nn.Module, ops: ModelOps, cpu: Any, *, cache_dir: str, max_chunk: int,

@@ -32,6 +32,11 @@ them). Above it, one layer of each shape is timed.
   dequantized GEMM;
 - ``cpu_upcast_min_rows`` (torch's ops on half weights without hardware bf16): torch's half
   matmul against the fp32 one on the converted weight;
+- ``cpu_sdpa_min_tokens`` (a model with attention layers, on Anna's kernels): one layer's prompt
+  attention over ATTENTION_TOKENS tokens (no larger than the chunk), Anna's kernel against torch's
+  SDPA in the model's attention dtype; SDPA from the smallest length on which it is no slower at
+  every longer one (on an AMX CPU oneDNN's bf16 tiles run it several times the kernel; on a Zen 4
+  the kernel ran twice SDPA);
 - ``long_prefill_token_threshold`` (the throughput profile's chunk size): the smallest chunk
   whose matmul time per token is within 20% of the best chunk's (CHUNK_TOLERANCE).
 Each setting's first round (every M once, in the order above; a setting uses the first-round
@@ -59,12 +64,13 @@ from typing import Any
 import torch
 
 import anna
+from anna.model.cache_spec import AttentionSpec
 from anna.model.linear import Linear, QuantLinear
 from anna.platforms.cpu.isa import LEVEL_FLAGS, CpuIsa
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 2  # 2: layers timed streamed from memory (STREAMED_BYTES)
+FORMAT_VERSION = 3  # 2: layers timed streamed from memory (STREAMED_BYTES); 3: prompt attention
 WARM_UP_MAX_S = 0.2  # a first call this long is its own sample (Timer.seconds)
 BUDGET_S = 15.0  # the most one calibration measures; what is left unmeasured keeps its built-in value
 STREAMED_BYTES = 64 << 20  # weights per timed pass: twice a 32 MB last-level cache
@@ -75,6 +81,7 @@ PAIR_ROWS = (4, 8, 16, 32, 64, 128)
 INT4_ROWS = (16, 32, 64, 128, 256, 512, 1024, 2048)
 UPCAST_ROWS = (1, 2, 4, 8, 16, 32, 64)
 CHUNK_TOKENS = (128, 256, 512, 1024, 2048)
+ATTENTION_TOKENS = (16, 64, 256, 1024, 2048)
 CHUNK_TOLERANCE = 1.20  # the chunk is also the longest stall of the decodes beside it: the smallest within 20%
 
 
@@ -203,6 +210,9 @@ def choose(measurements: dict[str, dict[str, list]]) -> dict[str, int]:
                 later = [r for r in m["rows"] if r > crossing]
                 crossing = later[0] if later else 0
             values[name] = crossing
+    m = measurements.get("cpu_sdpa_min_tokens")
+    if m and m["rows"]:  # ("kernel": Anna's attention kernel, "other": torch's SDPA)
+        values["cpu_sdpa_min_tokens"] = first_lasting_win(m["rows"], m["other_s"], m["kernel_s"])
     m = measurements.get("long_prefill_token_threshold")
     if m and m["tokens"]:
         values["long_prefill_token_threshold"] = smallest_good_chunk(m["tokens"], m["seconds"])
@@ -318,6 +328,41 @@ def _crossover(timer: Timer, ops: Any, groups: list[LayerGroup], rows: tuple[int
     return Series(out, "rows", ("kernel_s", "other_s"), at)
 
 
+def attention_shape(model: torch.nn.Module) -> tuple[int, int, int, int, torch.dtype] | None:
+    """(query heads, KV heads, head dim, layers, activation dtype) of the model's paged attention
+    layers, or None when it has none."""
+    specs = [spec for spec in model.cache_specs(model.activation_dtype) if isinstance(spec, AttentionSpec)]
+    if not specs:
+        return None
+    return (model.config.num_attention_heads, specs[0].num_kv_heads, specs[0].head_dim, len(specs),
+            model.activation_dtype)
+
+
+def _attention(timer: Timer, ops: Any, shape: tuple[int, int, int, int, torch.dtype], max_tokens: int) -> Series:
+    """One layer's prompt attention over each of ATTENTION_TOKENS up to ``max_tokens`` (scaled to
+    the model's attention layers), on Anna's kernel and on torch's SDPA: every length is measured."""
+    heads, kv_heads, dim, layers, dtype = shape
+
+    def at(n: int, warm_up: bool = False) -> list[float]:
+        q, k, v = (torch.randn(n, h, dim, dtype=dtype) for h in (heads, kv_heads, kv_heads))
+        times = []
+        for sdpa in (0, 1):
+            with _routing(ops, sdpa_min_tokens=sdpa):
+                times.append(layers * timer.seconds(lambda: ops.causal_attention(q, k, v, dim ** -0.5), warm_up))
+        return times
+
+    out: dict[str, list] = {"rows": [], "kernel_s": [], "other_s": []}
+    for n in (t for t in ATTENTION_TOKENS if t <= max_tokens):
+        try:
+            kernel, sdpa = at(n, warm_up=True)
+        except OutOfTime:
+            break
+        out["rows"].append(n)
+        out["kernel_s"].append(kernel)
+        out["other_s"].append(sdpa)
+    return Series(out, "rows", ("kernel_s", "other_s"), at)
+
+
 def _chunks(timer: Timer, ops: Any, body: list[LayerGroup], max_chunk: int, routing: dict[str, Any]) -> Series:
     """The body's matmul time at each chunk of CHUNK_TOKENS up to ``max_chunk``, in ``routing``."""
     def at(n: int, warm_up: bool = False) -> list[float]:
@@ -378,6 +423,9 @@ def measure(model: torch.nn.Module, ops: Any, max_chunk: int, budget_s: float = 
         if ops.kernels is None and half and not ops.routing.bf16_matmul:
             series["cpu_upcast_min_rows"] = _crossover(timer, ops, half, UPCAST_ROWS,
                                                        lambda m: {"upcast_min_rows": 0}, {"upcast_min_rows": 1})
+        shape = attention_shape(model)
+        if ops.kernels is not None and shape is not None and shape[2] % 8 == 0:
+            series["cpu_sdpa_min_tokens"] = _attention(timer, ops, shape, max_chunk)
         body = [g for g in groups if not g.lm_head]
         if body:
             picked = chosen()
@@ -390,7 +438,7 @@ def measure(model: torch.nn.Module, ops: Any, max_chunk: int, budget_s: float = 
 # setting name -> LinearRouting field
 ROUTING_FIELDS = {"cpu_gemv_max_rows": "gemv_max_rows", "int4_gemv_m_threshold": "int4_gemv_m_threshold",
                   "cpu_upcast_min_rows": "upcast_min_rows", "cpu_bf16_dot_min_rows": "bf16_dot_rows",
-                  "cpu_bf16_pair_max_rows": "bf16_pair_max_rows"}
+                  "cpu_bf16_pair_max_rows": "bf16_pair_max_rows", "cpu_sdpa_min_tokens": "sdpa_min_tokens"}
 
 
 # ---- the cache ----
@@ -469,13 +517,15 @@ def report(calibration: Calibration) -> str:
              "cpu_bf16_pair_max_rows": ("kernel widening in registers", "kernel converting blocks"),
              "cpu_gemv_max_rows": ("Anna's weight-streaming kernel", "torch's GEMM"),
              "int4_gemv_m_threshold": ("packed int4 kernel", "dequantized GEMM"),
-             "cpu_upcast_min_rows": ("torch half matmul", "fp32 on the converted weight")}
+             "cpu_upcast_min_rows": ("torch half matmul", "fp32 on the converted weight"),
+             "cpu_sdpa_min_tokens": ("Anna's attention kernel", "torch's SDPA")}
     for name, m in calibration.measurements.items():
         value = calibration.values.get(name, "(no data: the built-in value)")
         lines.append(f"{name} = {value}")
         if name in paths:
             kernel, other = paths[name]
-            lines.append(f"  {'M':>6}  {kernel + ' ms':>32}  {other + ' ms':>30}")
+            axis = "tokens" if name == "cpu_sdpa_min_tokens" else "M"
+            lines.append(f"  {axis:>6}  {kernel + ' ms':>32}  {other + ' ms':>30}")
             lines += [f"  {r:>6}  {k * 1e3:>32.2f}  {o * 1e3:>30.2f}"
                       for r, k, o in zip(m["rows"], m["kernel_s"], m["other_s"])]
         else:

@@ -189,10 +189,15 @@ class CpuKernelOps(CpuTorchOps):
                          mask: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
         """Anna's kernel: in bf16 (vdpbf16ps) where attention_dtype is bf16, which build_ops sets only
         on CPUs with hardware bf16, else fp32. On a 2-core Zen 4 at 2,048 tokens the bf16 kernel ran
-        1.9x the fp32 one and 2.3x torch's SDPA in bf16 (benchmarks/attention_bench.py --prefill)."""
+        1.9x the fp32 one and 2.3x torch's SDPA in bf16 (benchmarks/attention_bench.py --prefill);
+        on an AMX CPU torch's SDPA in bf16 (oneDNN's tiles) runs several times the kernel, so a
+        context of routing.sdpa_min_tokens or more goes there."""
         if q.shape[-1] % 8:
             return super().causal_attention(q, k, v, scale, mask, window)
+        sdpa = self.routing.sdpa_min_tokens
         with self.region("attention:prefill"):
+            if sdpa and k.shape[0] >= sdpa:
+                return super().causal_attention(q, k, v, scale, mask, window)
             return self.kernels.causal_attention(q, k, v, scale, window,
                                                  bf16=self.attention_dtype == torch.bfloat16).to(q.dtype)
 
