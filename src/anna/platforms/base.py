@@ -170,7 +170,7 @@ BF16_PAIR_MAX_ROWS = 32
 
 # cpu_sdpa_min_tokens -1: torch's SDPA for prompt attention from this many tokens where a bf16
 # model's attention runs in bf16 on an AMX CPU (benchmarks/attention_bench.py --prefill, a 2-vCPU AMX
-# Xeon: SDPA in bf16 1.6x Anna's kernel at 16 tokens, 3.6x at 512, 4.5x at 2,048), else never (a Zen 4,
+# Xeon: SDPA in bf16 level with Anna's kernel at 16 tokens, 1.9x at 256, 2.2x at 512, 3.2x at 2,048), else never (a Zen 4,
 # AVX512-BF16 without AMX: Anna's kernel 2.3x SDPA's bf16 at 2,048)
 SDPA_MIN_TOKENS = {False: 0, True: 1}
 
