@@ -55,7 +55,7 @@ import logging
 import os
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -312,17 +312,24 @@ def _crossover(timer: Timer, ops: Any, groups: list[LayerGroup], rows: tuple[int
         with _routing(ops, **other):
             return [k, _model_seconds(timer, groups, m, warm_up)]
 
+    return _paired_first_round(rows, at, losses_to_stop)
+
+
+def _paired_first_round(points: Iterable[int], at: Callable[..., list[float]], losses_to_stop: int = 0) -> Series:
+    """The first round of a kernel-against-other measurement: ``at(point, warm_up=True)`` gives
+    [kernel, other] seconds at each point, until the budget runs out or the kernel has lost at
+    ``losses_to_stop`` points in a row (0: every point is measured)."""
     out: dict[str, list] = {"rows": [], "kernel_s": [], "other_s": []}
     losses = 0
-    for m in rows:
+    for point in points:
         try:
-            k, o = at(m, warm_up=True)
+            kernel, other = at(point, warm_up=True)
         except OutOfTime:
             break
-        out["rows"].append(m)
-        out["kernel_s"].append(k)
-        out["other_s"].append(o)
-        losses = losses + 1 if k > o else 0
+        out["rows"].append(point)
+        out["kernel_s"].append(kernel)
+        out["other_s"].append(other)
+        losses = losses + 1 if kernel > other else 0
         if losses_to_stop and losses == losses_to_stop:
             break
     return Series(out, "rows", ("kernel_s", "other_s"), at)
@@ -351,16 +358,7 @@ def _attention(timer: Timer, ops: Any, shape: tuple[int, int, int, int, torch.dt
                 times.append(layers * timer.seconds(lambda: ops.causal_attention(q, k, v, dim ** -0.5), warm_up))
         return times
 
-    out: dict[str, list] = {"rows": [], "kernel_s": [], "other_s": []}
-    for n in (t for t in ATTENTION_TOKENS if t <= max_tokens):
-        try:
-            kernel, sdpa = at(n, warm_up=True)
-        except OutOfTime:
-            break
-        out["rows"].append(n)
-        out["kernel_s"].append(kernel)
-        out["other_s"].append(sdpa)
-    return Series(out, "rows", ("kernel_s", "other_s"), at)
+    return _paired_first_round((t for t in ATTENTION_TOKENS if t <= max_tokens), at)
 
 
 def _chunks(timer: Timer, ops: Any, body: list[LayerGroup], max_chunk: int, routing: dict[str, Any]) -> Series:
