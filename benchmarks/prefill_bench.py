@@ -9,7 +9,8 @@ max_num_batched_tokens, which is what splits a lone prompt; the scheduler's chun
 long_prefill_token_threshold, applies only while other requests run beside it). Matmul ceiling: every linear layer of the loaded model except the
 lm_head (a prefill samples one position) as a torch matmul of --prompt-tokens rows on a row-major
 copy of its weight, timed in bf16 (bf16 activations: oneDNN's AVX512-BF16/AMX kernels where the
-CPU has them) and in fp32, the faster of the two per shape; the ceiling's tokens/s = prompt tokens
+CPU has them) and in fp32, each into a fresh output and into one written before (a fresh block of
+over 32 MB costs a page fault per 4 KB page), the fastest per shape; the ceiling's tokens/s = prompt tokens
 / the sum over layers. The two alternate --repeats times (this VM's speed drifts); each figure is
 the median, and ``fraction`` = prefill tok/s / ceiling tok/s.
 """
@@ -43,18 +44,21 @@ def linear_shapes(llm: LLM) -> Counter:
 
 
 def best_matmul_s(n: int, k: int, m: int) -> tuple[float, str]:
-    """The faster of torch's bf16 and fp32 matmul of [m, k] x [k, n] here (median of 5 after 2 warm-ups)."""
+    """The fastest of torch's bf16 and fp32 matmuls of [m, k] x [k, n] here, into a fresh output
+    or a reused one (median of 5 after 2 warm-ups)."""
     best = (float("inf"), "")
     for dtype in (torch.bfloat16, torch.float32):
         w = (torch.randn(n, k) / k ** 0.5).to(dtype)
         x = torch.randn(m, k).to(dtype)
-        times = []
-        for i in range(7):
-            t0 = time.perf_counter()
-            F.linear(x, w)
-            if i >= 2:
-                times.append(time.perf_counter() - t0)
-        best = min(best, (statistics.median(times), str(dtype).removeprefix("torch.")))
+        out = torch.empty(m, n, dtype=dtype)
+        for name, matmul in (("", lambda: F.linear(x, w)), (" reused output", lambda: torch.mm(x, w.t(), out=out))):
+            times = []
+            for i in range(7):
+                t0 = time.perf_counter()
+                matmul()
+                if i >= 2:
+                    times.append(time.perf_counter() - t0)
+            best = min(best, (statistics.median(times), str(dtype).removeprefix("torch.") + name))
     return best
 
 

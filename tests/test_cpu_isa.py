@@ -137,6 +137,35 @@ def test_the_bf16_mlp_keeps_its_intermediate_in_bf16(bias):
     torch.testing.assert_close(on, off, rtol=0.05, atol=0.1)
 
 
+def test_the_bf16_mlp_reuses_its_intermediate_buffers_without_aliasing_its_outputs():
+    """The [gate | up] rows and their product go to buffers kept from call to call (ScratchBuffers):
+    a smaller call reuses the memory, a larger one grows it, and no output shares it, so an output
+    kept from one call is unchanged by the next."""
+    from anna.model.layers import GatedMLP
+    from anna.model.ops import LinearRouting
+    from anna.platforms.cpu.ops import CpuTorchOps
+
+    torch.manual_seed(0)
+    ops = CpuTorchOps(routing=LinearRouting(bf16_matmul=True))
+    mlp = GatedMLP(32, 48, False, "silu", torch.bfloat16, ops)
+    for p in mlp.parameters():
+        p.data = (torch.randn(p.shape) / 6).to(p.dtype)
+
+    def want(x: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(x.to(torch.bfloat16), mlp.gate_up_proj.weight).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, mlp.down_proj.weight).float()
+
+    xs = [torch.randn(rows, 32) for rows in (200, 50, 300, 200)]
+    outs, pointers = [], []
+    for x in xs:
+        outs.append(mlp(x))
+        pointers.append(ops.scratch.take("gate_up", 1, 96, torch.bfloat16).data_ptr())
+        torch.testing.assert_close(outs[-1], want(x), rtol=0, atol=0)
+    assert pointers[0] == pointers[1] and pointers[2] == pointers[3]  # reused; grown once, for 300 rows
+    for x, out in zip(xs, outs):  # every output intact after the later calls
+        torch.testing.assert_close(out, want(x), rtol=0, atol=0)
+
+
 def test_prompt_attention_runs_on_sdpa_from_the_routed_context_length(cache_dir):
     """routing.sdpa_min_tokens: a prompt chunk whose context has that many tokens or more attends on
     torch's SDPA (the torch ops' path, in attention_dtype), a shorter one on Anna's kernel; 0: the

@@ -140,10 +140,10 @@ class ModelOps:
             return (apply_rotary(q.view(t, heads, head_dim), rope.cos, rope.sin),
                     apply_rotary(k.view(t, kv_heads, head_dim), rope.cos, rope.sin))
 
-    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """silu(gate) * up for rows laid out [gate | up]."""
+    def silu_mul(self, gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """silu(gate) * up for rows laid out [gate | up] (into ``out``, where given)."""
         gate, up = gate_up.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        return torch.mul(F.silu(gate), up, out=out)
 
     # ---- attention and sampling ----
     def write_kv(self, cache: "PagedKV", k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:

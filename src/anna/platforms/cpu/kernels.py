@@ -307,13 +307,15 @@ class CpuKernels:
                                   out.data_ptr(), x.numel() // dim, dim, eps, torch.get_num_threads())
         return out
 
-    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+    def silu_mul(self, gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """silu(gate) * up for rows laid out [gate | up] (the fused gate_up matmul's output): bf16
-        rows give bf16 (computed in fp32), any other dtype fp32."""
+        rows give bf16 (computed in fp32), any other dtype fp32; into ``out`` (contiguous, of that
+        dtype and shape) where given."""
         width = gate_up.shape[-1] // 2
         bf16 = gate_up.dtype == torch.bfloat16
         rows = gate_up.contiguous() if bf16 else gate_up.float().contiguous()
-        out = torch.empty(*gate_up.shape[:-1], width, dtype=rows.dtype)
+        if out is None:
+            out = torch.empty(*gate_up.shape[:-1], width, dtype=rows.dtype)
         self.lib.anna_silu_mul(rows.data_ptr(), out.data_ptr(), rows.numel() // (2 * width), width, int(bf16),
                                torch.get_num_threads())
         return out
