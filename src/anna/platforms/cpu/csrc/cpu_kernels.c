@@ -533,6 +533,15 @@ void anna_silu_mul(const void *gate_up, void *out, long M, long I, int bf16, int
         long t = job / chunks, b = (job % chunks) * 256, e = b + 256 < I ? b + 256 : I;
         long g = t * 2 * I, u = g + I, o = t * I;
         long i = b;
+#ifdef __AVX512F__
+        for (; i + 16 <= e; i += 16) {
+            __m512 gv = bf16 ? load16_bf16((const uint16_t *)gate_up + g + i) : _mm512_loadu_ps((const float *)gate_up + g + i);
+            __m512 uv = bf16 ? load16_bf16((const uint16_t *)gate_up + u + i) : _mm512_loadu_ps((const float *)gate_up + u + i);
+            __m512 sig = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
+            if (bf16) store16_bf16((uint16_t *)out + o + i, _mm512_mul_ps(sig, uv));
+            else _mm512_storeu_ps((float *)out + o + i, _mm512_mul_ps(sig, uv));
+        }
+#endif
         for (; i + 8 <= e; i += 8) {
             __m256 gv = load8(gate_up, wtype, g + i);
             __m256 sig = _mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv))));
