@@ -212,6 +212,23 @@ def test_silu_mul_matches_torch(kernels, rows, width):
     assert (got == want).float().mean() > 0.99  # (exp's approximation may land across a rounding edge)
 
 
+@pytest.mark.parametrize("wdtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows, dim", [(1, 896), (37, 1003), (5, 13)])  # tails past the last 8
+@pytest.mark.parametrize("with_delta", [False, True])
+def test_add_rmsnorm_matches_torch(kernels, rows, dim, wdtype, with_delta):
+    """x += delta in place (when given), then rmsnorm(x) * w: against fp64."""
+    x = torch.randn(rows, dim) * 3
+    x[0] *= 1e-3  # a small row: eps matters
+    delta = torch.randn(rows, dim) if with_delta else None
+    w = (torch.randn(dim) / 2 + 1).to(wdtype)
+    x0 = x.clone()
+    got = kernels.add_rmsnorm(x, delta, w, 1e-6)
+    s = x0.double() + (delta.double() if with_delta else 0)
+    want = w.double() * s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-6)
+    torch.testing.assert_close(x, s.float(), rtol=0, atol=0)  # the residual stream, updated in place
+    torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-7)
+
+
 @pytest.mark.parametrize("width", [151936, 1003])  # a real vocabulary; a tail past the last 8
 def test_argmax_matches_torch_ties_nan_and_inf(kernels, width):
     logits = torch.randn(7, width)

@@ -557,21 +557,40 @@ void anna_silu_mul(const void *gate_up, void *out, long M, long I, int bf16, int
     }
 }
 
-/* x += delta (when given), then out = rmsnorm(x) * w, row by row. x, delta, out fp32. */
+/* x += delta (when given), then out = rmsnorm(x) * w, row by row. x, delta, out fp32. The sum of
+ * squares in fp64 (as the scalar loop this replaced: the same norms to the last bit, nearly
+ * always), 8 values a step: a 2,048-token prefill's 49 norms took 70 ms as a scalar loop. */
 void anna_add_rmsnorm(float *x, const float *delta, const void *w, int wtype, float *out, long rows, long dim,
                       float eps, int threads) {
     #pragma omp parallel for num_threads(threads) if (rows > 1)
     for (long r = 0; r < rows; r++) {
         float *xr = x + r * dim;
-        if (delta) {
-            const float *dr = delta + r * dim;
-            for (long i = 0; i < dim; i++) xr[i] += dr[i];
+        const float *dr = delta ? delta + r * dim : NULL;
+        __m256d s0 = _mm256_setzero_pd(), s1 = _mm256_setzero_pd();
+        long i = 0;
+        for (; i + 8 <= dim; i += 8) {
+            __m256 v = _mm256_loadu_ps(xr + i);
+            if (dr) {
+                v = _mm256_add_ps(v, _mm256_loadu_ps(dr + i));
+                _mm256_storeu_ps(xr + i, v);
+            }
+            __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(v)), hi = _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1));
+            s0 = _mm256_fmadd_pd(lo, lo, s0);
+            s1 = _mm256_fmadd_pd(hi, hi, s1);
         }
-        double ss = 0.0;
-        for (long i = 0; i < dim; i++) ss += (double)xr[i] * xr[i];
+        double lanes[4];
+        _mm256_storeu_pd(lanes, _mm256_add_pd(s0, s1));
+        double ss = (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
+        for (; i < dim; i++) {
+            if (dr) xr[i] += dr[i];
+            ss += (double)xr[i] * xr[i];
+        }
         float inv = 1.0f / sqrtf((float)(ss / dim) + eps);
         float *orow = out + r * dim;
-        for (long i = 0; i < dim; i++) orow[i] = load1(w, wtype, i) * (xr[i] * inv);
+        __m256 vinv = _mm256_set1_ps(inv);
+        for (i = 0; i + 8 <= dim; i += 8)
+            _mm256_storeu_ps(orow + i, _mm256_mul_ps(load8(w, wtype, i), _mm256_mul_ps(_mm256_loadu_ps(xr + i), vinv)));
+        for (; i < dim; i++) orow[i] = load1(w, wtype, i) * (xr[i] * inv);
     }
 }
 
