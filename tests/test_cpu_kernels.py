@@ -335,16 +335,14 @@ def test_causal_prefill_attention_matches_torch_at_every_length(kernels, heads, 
         assert error <= 2 * torch_error + 2e-5, (tokens, context, window, error, torch_error)
 
 
-@pytest.mark.parametrize("heads, kv_heads, dim", [(14, 2, 64), (4, 4, 128), (6, 3, 80), (2, 1, 16)])
-def test_bf16_prefill_attention_is_exact_attention_of_the_rounded_inputs(kernels, heads, kv_heads, dim):
-    """bf16=True (vdpbf16ps) against an exact float64 softmax of q, k, v rounded to bf16, no further
-    from it than torch's SDPA run in bf16 on them (its largest error + 1e-3): the lengths, cached
-    prefixes and sliding windows of the fp32 test above, on head sizes that are whole 64-column
-    passes, 64 + 16 and a single vector. The kernel only rounds its inputs and the probabilities,
-    so it stays much nearer the exact result than the fp32 kernel on the unrounded inputs is."""
-    bf16_dot(kernels)
-    g = torch.Generator().manual_seed(5)
-    for tokens, context, window in _prefill_attention_cases([*range(1, 131, 3), 130, 300]):
+def _check_bf16_attention(kernels, lengths: list[int], heads: int, kv_heads: int, dim: int, seed: int) -> None:
+    """bf16=True against an exact float64 softmax of q, k, v rounded to bf16, no further from it
+    than torch's SDPA run in bf16 on them (its largest error + 1e-3), over _prefill_attention_cases
+    of ``lengths``. The kernel only rounds its inputs and the probabilities, so it stays nearer the
+    exact result than the fp32 kernel on the unrounded inputs is. Scores x 4 move the running
+    maximum between key blocks and leave keys whose weight underflows."""
+    g = torch.Generator().manual_seed(seed)
+    for tokens, context, window in _prefill_attention_cases(lengths):
         q = torch.randn(tokens, heads, dim, generator=g) * 4
         k, v = (torch.randn(context, kv_heads, dim, generator=g) * 4 for _ in range(2))
         qb, kb, vb = (t.bfloat16() for t in (q, k, v))
@@ -352,10 +350,37 @@ def test_bf16_prefill_attention_is_exact_attention_of_the_rounded_inputs(kernels
         sdpa = _torch_causal_attention(qb, kb, vb, window)
         want = _exact_causal_attention(qb.float(), kb.float(), vb.float(), window)
         fp32 = kernels.causal_attention(q, k, v, dim ** -0.5, window)
+        assert got.isfinite().all(), (tokens, context, window)
         error, torch_error, fp32_error = ((t.double() - want).abs().max().item() for t in (got, sdpa, fp32))
         assert error <= torch_error + 1e-3, (tokens, context, window, error, torch_error)
         if tokens > 1:  # (one query sees one key: every path returns its value row)
             assert error < fp32_error, (tokens, context, window, error, fp32_error)
+
+
+@pytest.mark.parametrize("heads, kv_heads, dim", [(14, 2, 64), (4, 4, 128), (6, 3, 80), (2, 1, 16)])
+def test_bf16_prefill_attention_is_exact_attention_of_the_rounded_inputs(kernels, heads, kv_heads, dim):
+    """bf16=True (vdpbf16ps; at the amx level AMX tiles for the head sizes they take) as
+    _check_bf16_attention says: the lengths, cached prefixes and sliding windows of the fp32 test
+    above, on head sizes that are whole 64-column passes, 64 + 16 and a single vector."""
+    bf16_dot(kernels)
+    _check_bf16_attention(kernels, [*range(1, 131, 3), 130, 300], heads, kv_heads, dim, seed=5)
+
+
+@pytest.mark.parametrize("build", ["native", "emulated"])
+@pytest.mark.parametrize("heads, kv_heads, dim", [(14, 2, 64), (4, 4, 128), (6, 3, 96), (2, 1, 32), (2, 2, 256)])
+def test_amx_tile_prompt_attention_is_exact_attention_of_the_rounded_inputs(cache_dir, build, heads, kv_heads,
+                                                                              dim):
+    """The amx level's bf16 prompt attention on AMX tiles (native on an AMX CPU; the same code with
+    the tile instructions emulated in C on any AVX-512 VNNI CPU) as _check_bf16_attention says: the
+    lengths, cached prefixes and sliding windows of the tests above (work items of 16 positions,
+    key blocks of 64), head sizes from one 32-wide step to the largest the tiles take, in whole and
+    half 64-dimension passes."""
+    from conftest import amx_kernels
+
+    kernels = amx_kernels(build, cache_dir)
+    assert kernels.tile_attention(dim)
+    lengths = [*range(1, 131, 7), 130, 300] if build == "native" else [1, 16, 17, 63, 64, 65, 130]
+    _check_bf16_attention(kernels, lengths, heads, kv_heads, dim, seed=7)
 
 
 def test_bf16_prefill_attention_runs_fp32_where_it_cannot_run_bf16(kernels):

@@ -38,13 +38,14 @@ CFLAGS = ["-O3", "-fopenmp", "-fPIC"]
 # avx512: the weight-streaming kernel in 512-bit vectors (csrc/cpu_kernels.c), with a bf16 dot product
 # path (vdpbf16ps, a function target) that the caller runs only on CPUs with AVX512-BF16; avx512_vnni:
 # also the quantized dot products on vpdpbusd and int4 tiles of 16 rows (csrc/quant_kernels.c); amx:
-# also int4 matmuls of 16 rows of x or more on AMX int8 tiles (csrc/amx_tiles.h).
+# also int4 matmuls of 16 rows of x or more on AMX int8 tiles, and bf16 prompt attention on bf16 tiles
+# (csrc/amx_tiles.h, csrc/prefill_attention.c).
 _AVX512 = ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl"]
 LEVEL_CFLAGS = {
     "avx2": ["-mavx2", "-mfma", "-mf16c"],
     "avx512": _AVX512,
     "avx512_vnni": [*_AVX512, "-mavx512vnni"],
-    "amx": [*_AVX512, "-mavx512vnni", "-mamx-tile", "-mamx-int8"],
+    "amx": [*_AVX512, "-mavx512vnni", "-mavx512bf16", "-mamx-tile", "-mamx-int8", "-mamx-bf16"],
 }
 # The amx level's code with its tile instructions emulated in C (csrc/amx_tiles.h), on the
 # avx512_vnni level's flags: the tests build it to check that code on CPUs without AMX.
@@ -367,12 +368,18 @@ class CpuKernels:
             window or 0, scale, out.data_ptr(), torch.get_num_threads())
         return out
 
+    def tile_attention(self, head_dim: int) -> bool:
+        """Whether bf16 prompt attention of this head size runs on AMX tiles (the amx level's build;
+        csrc/prefill_attention.c): D a multiple of 32, at most 256."""
+        return self.level == "amx" and head_dim % 32 == 0 and head_dim <= 256
+
     def causal_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                          window: int | None = None, bf16: bool = False) -> torch.Tensor:
         """Causal attention of the last Tq of Tk positions over all of them (csrc/prefill_attention.c):
         q [Tq, H, D], k, v [Tk, KV, D] -> fp32 [Tq, H, D]; D a multiple of 8. ``window``: each
-        query sees only its last ``window`` keys. ``bf16``: both products on vdpbf16ps (only on a
-        CPU with AVX512-BF16; the avx2 build, or D not a multiple of 16, runs fp32)."""
+        query sees only its last ``window`` keys. ``bf16``: both products in bf16, on AMX tiles
+        where ``tile_attention`` says so, else on vdpbf16ps (only on a CPU with AVX512-BF16; the avx2
+        build, or D not a multiple of 16, runs fp32)."""
         q, k, v = (t.float().contiguous() for t in (q, k, v))
         tokens, heads, dim = q.shape
         out = torch.empty_like(q)

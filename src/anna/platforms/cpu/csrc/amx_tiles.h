@@ -1,9 +1,10 @@
-/* AMX tile operations for the int4 kernel's AMX path (quant_kernels.c), and their emulation.
+/* AMX tile operations for the int4 kernel's AMX path (quant_kernels.c) and prompt attention's
+ * (prefill_attention.c), and their emulation.
  *
- * ANNA_AMX is 1 in the amx level's build (-mamx-tile -mamx-int8: kernels.py LEVEL_CFLAGS), where
- * the operations below are the AMX instructions, and in a build with ANNA_AMX_EMULATE defined,
- * where they are plain C with the instructions' semantics (Intel's pseudocode for LDTILECFG,
- * TILELOADD, TILESTORED, TILEZERO and TDPBSUD). The emulated build runs the very kernel code that
+ * ANNA_AMX is 1 in the amx level's build (-mamx-tile -mamx-int8 -mamx-bf16: kernels.py
+ * LEVEL_CFLAGS), where the operations below are the AMX instructions, and in a build with
+ * ANNA_AMX_EMULATE defined, where they are plain C with the instructions' semantics (Intel's
+ * pseudocode for LDTILECFG, TILELOADD, TILESTORED, TILEZERO, TDPBSUD and TDPBF16PS). The emulated build runs the very kernel code that
  * the AMX build runs on CPUs without AMX, so that its layout, padding and scaling are tested
  * everywhere (tests/test_quantization.py, tests/test_cpu_isa.py), and it traps where the CPU would
  * fault (a configuration LDTILECFG rejects, a tile used unconfigured or in mismatched shapes); only
@@ -18,7 +19,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#if defined(ANNA_AMX_EMULATE) || (defined(__AMX_TILE__) && defined(__AMX_INT8__))
+#if defined(ANNA_AMX_EMULATE) || (defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AMX_BF16__))
 #define ANNA_AMX 1
 #else
 #define ANNA_AMX 0
@@ -97,11 +98,38 @@ static inline void amx_emulated_dpbsud(int dst, int a, int b) {
         }
 }
 
+static inline float amx_emulated_bf16(const uint8_t *p) {
+    uint32_t bits = (uint32_t)(p[0] | p[1] << 8) << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* dst[m][n] (fp32) += a[m][2k] * b[k][2n] + a[m][2k + 1] * b[k][2n + 1] over k (bf16 pairs; each
+ * product is exact in fp32, the sums rounded in this order) */
+static inline void amx_emulated_dpbf16ps(int dst, int a, int b) {
+    AMX_EMULATED_CHECK(dst != a && dst != b && a != b);
+    amx_emulated_tile *c = amx_emulated_tile_in_use(dst), *x = amx_emulated_tile_in_use(a),
+                      *w = amx_emulated_tile_in_use(b);
+    AMX_EMULATED_CHECK(x->rows == c->rows && x->colsb % 4 == 0 && x->colsb / 4 == w->rows && w->colsb == c->colsb);
+    for (int m = 0; m < c->rows; m++)
+        for (int n = 0; n < c->colsb / 4; n++) {
+            float sum;
+            memcpy(&sum, c->data[m] + 4 * n, 4);
+            for (int k = 0; k < x->colsb / 4; k++) {
+                sum += amx_emulated_bf16(x->data[m] + 4 * k) * amx_emulated_bf16(w->data[k] + 4 * n);
+                sum += amx_emulated_bf16(x->data[m] + 4 * k + 2) * amx_emulated_bf16(w->data[k] + 4 * n + 2);
+            }
+            memcpy(c->data[m] + 4 * n, &sum, 4);
+        }
+}
+
 #define AMX_LOAD_CONFIG(cfg) amx_load_config(cfg)
 #define AMX_LOAD(t, base, stride) amx_emulated_load(t, base, stride)
 #define AMX_STORE(t, base, stride) amx_emulated_store(t, base, stride)
 #define AMX_ZERO(t) amx_emulated_zero(t)
 #define AMX_DPBSUD(dst, a, b) amx_emulated_dpbsud(dst, a, b)
+#define AMX_DPBF16PS(dst, a, b) amx_emulated_dpbf16ps(dst, a, b)
 #define AMX_RELEASE() (amx_emulated_configured = 0)
 #define AMX_REQUEST_TILES() 0
 
@@ -120,6 +148,7 @@ static inline void amx_emulated_dpbsud(int dst, int a, int b) {
 #define AMX_STORE(t, base, stride) _tile_stored(t, base, stride)
 #define AMX_ZERO(t) _tile_zero(t)
 #define AMX_DPBSUD(dst, a, b) _tile_dpbsud(dst, a, b)
+#define AMX_DPBF16PS(dst, a, b) _tile_dpbf16ps(dst, a, b)
 #define AMX_RELEASE() _tile_release()
 
 #endif

@@ -29,6 +29,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "amx_tiles.h"
 #include "bf16.h"
 #include "vec_math.h"
 
@@ -185,11 +186,223 @@ static void pack_bf16(const float *q, const float *k, const float *v, uint16_t *
     for (long i = 0; i < Tq * H * D; i += 8) store8_bf16(qh + i, _mm256_loadu_ps(q + i));  /* D % 16 == 0 */
 }
 
+#if ANNA_AMX && defined(__AVX512F__)
+/* Prompt attention on AMX bf16 tiles (the amx level's build; emulated in the tests' build): the
+ * same attention as above, with both products as TDPBF16PS tile products. On a 2-vCPU AMX Xeon
+ * torch's SDPA in bf16 (oneDNN's tiles) ran 2-3x the vdpbf16ps kernel at 256-2,048 tokens, and
+ * this ran 1.4-2x SDPA at 64-2,048 (benchmarks/attention_bench.py --prefill), without SDPA's
+ * fp32 <-> bf16 copies around it.
+ *
+ * Transposed, so that a row's softmax bookkeeping is lane-wise: a work item is 16 positions of one
+ * query head, and for each block of 64 keys the tiles give S^T = K Q^T, one key per tile row and
+ * the 16 positions across it. The running maximum, sum and rescaling are then vectors over the 16
+ * positions (no horizontal reductions, no per-row branches); the probabilities go back to the
+ * tiles as P^T in TDPBF16PS's pair layout (keys 2j, 2j + 1 of each position in one 32-bit lane),
+ * and O^T = V^T P^T. Packed once per call: K as bf16 rows per KV head ([KV][Tp][D]) and V
+ * transposed ([KV][D][Tv]), zero-padded to whole blocks. The exponentials are 2^x (exp2_neg), the
+ * scores scaled by scale * log2(e); the probabilities are rounded to bf16 for P V, as in the
+ * vdpbf16ps kernel. Needs D a multiple of 32, at most AMX_MAX_DIM. */
+#define AMX_KEYS 64
+#define AMX_ROWS 16
+#define AMX_MAX_DIM 256
+
+/* 2^x for x <= 0 (x < -200, -inf included, gives 0): x = n + f with n the nearest integer (adding
+ * and subtracting 1.5 * 2^23 rounds it, on any FP port, where vrndscaleps takes two uops of one),
+ * 2^f for |f| <= 1/2 a degree-5 polynomial fitted for relative error (~2.4e-7 in fp32, as exp16's) */
+INLINE __m512 exp2_neg(__m512 x) {
+    const __m512 round = _mm512_set1_ps(12582912.0f);
+    x = _mm512_max_ps(x, _mm512_set1_ps(-200.0f));
+    __m512 n = _mm512_sub_ps(_mm512_add_ps(x, round), round), f = _mm512_sub_ps(x, n);
+    __m512 p = _mm512_set1_ps(1.3276446843519807e-3f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.675533510744572e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550713092088699e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022120237350464e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931469440460205e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0000001192092896f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* fp32 a, b -> one vector of 16 bf16 pairs (a's in the low half of each lane), rounded to nearest
+ * even: vcvtne2ps2bf16 and a shuffle where the build has AVX512-BF16 (the amx level's), else in
+ * integer arithmetic (the emulated build's; the same bits for finite values) */
+INLINE __m512i bf16_pairs(__m512 a, __m512 b) {
+#ifdef __AVX512BF16__
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i interleave = _mm512_or_si512(lane, _mm512_slli_epi32(_mm512_add_epi32(lane, _mm512_set1_epi32(16)), 16));
+    return _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(b, a));
+#else
+    __m512i x = _mm512_castps_si512(a), y = _mm512_castps_si512(b), one = _mm512_set1_epi32(1),
+            half = _mm512_set1_epi32(0x7FFF);
+    x = _mm512_add_epi32(x, _mm512_add_epi32(half, _mm512_and_si512(_mm512_srli_epi32(x, 16), one)));
+    y = _mm512_add_epi32(y, _mm512_add_epi32(half, _mm512_and_si512(_mm512_srli_epi32(y, 16), one)));
+    return _mm512_or_si512(_mm512_srli_epi32(x, 16), _mm512_and_si512(y, _mm512_set1_epi32((int)0xFFFF0000)));
+#endif
+}
+
+/* the scores x of key ``key`` for positions ``pos``, -inf (stored to ``dst``) where a position does
+ * not see it: key > position, or, with a window, position - key >= window */
+INLINE __m512 hide_keys(__m512 x, __m512i pos, long key, long window, float *dst) {
+    const __m512i k = _mm512_set1_epi32((int)key);
+    __mmask16 seen = _mm512_cmpge_epi32_mask(pos, k);
+    if (window > 0) seen &= _mm512_cmplt_epi32_mask(_mm512_sub_epi32(pos, k), _mm512_set1_epi32((int)window));
+    x = _mm512_mask_blend_ps(seen, _mm512_set1_ps(-INFINITY), x);
+    _mm512_store_ps(dst, x);
+    return x;
+}
+
+static void amx_pack(const float *k, const float *v, uint16_t *kh, uint16_t *vt, long T, long KV, long D, long Tp,
+                     long Tv) {
+    const __m512i keys = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                            _mm512_set1_epi32((int)(KV * D)));
+    #pragma omp for collapse(2) schedule(static)
+    for (long g = 0; g < KV; g++)
+        for (long b = 0; b < Tp / AMX_ROWS; b++) {
+            long t0 = b * AMX_ROWS;
+            __mmask16 real = t0 >= T ? 0 : T - t0 >= 16 ? 0xFFFF : (__mmask16)((1u << (T - t0)) - 1);
+            for (long t = t0; t < t0 + AMX_ROWS; t++)
+                for (long d = 0; d < D; d += 16)
+                    store16_bf16(kh + (g * Tp + t) * D + d, t < T ? _mm512_loadu_ps(k + (t * KV + g) * D + d)
+                                                                  : _mm512_setzero_ps());
+            for (long d = 0; d < D; d++)  /* 16 keys' value of dimension d */
+                store16_bf16(vt + (g * D + d) * Tv + t0,
+                             real ? _mm512_mask_i32gather_ps(_mm512_setzero_ps(), real, keys,
+                                                             v + (t0 * KV + g) * D + d, 4)
+                                  : _mm512_setzero_ps());
+        }
+}
+
+static void amx_causal_attention(const float *q, const float *k, const float *v, float *out, long Tq, long T,
+                                 long H, long KV, long D, float scale, long window, int threads) {
+    const long G = H / KV, offset = T - Tq, Tp = (T + AMX_KEYS - 1) / AMX_KEYS * AMX_KEYS;
+    const long nqb = (Tq + AMX_ROWS - 1) / AMX_ROWS, steps = D / 32;
+    /* V^T's rows are Tv keys apart, not Tp: at Tp = 2,048 a tile's 16 rows 4 KB apart would all fall
+     * in one L1 set (12 ways) and evict each other on every load */
+    const long Tv = Tp + 32;
+    uint16_t *kh = (uint16_t *)aligned_alloc(64, sizeof(uint16_t) * KV * Tp * D);
+    uint16_t *vt = (uint16_t *)aligned_alloc(64, sizeof(uint16_t) * KV * Tv * D);
+    const float scale2 = scale * 1.44269504088896341f;  /* scores in log2 units: exp(x) = 2^(x log2 e) */
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    #pragma omp parallel num_threads(threads)
+    {
+        amx_pack(k, v, kh, vt, T, KV, D, Tp, Tv);
+        amx_config cfg;
+        memset(&cfg, 0, sizeof cfg);
+        cfg.palette = 1;
+        for (int t = 0; t < 7; t++) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }  /* 0-3: C, 4-5: B, 6: A */
+        AMX_LOAD_CONFIG(&cfg);
+        /* flush denormals: 2^x of a hidden key (-inf) or a far smaller score underflows, and each
+         * vector with such a lane took a microcode assist (half the softmax's time on an AMX Xeon) */
+        const unsigned int csr = _mm_getcsr();
+        _mm_setcsr(csr | 0x8040);
+        uint32_t qt[AMX_MAX_DIM / 2 * AMX_ROWS] __attribute__((aligned(64)));  /* Q^T: [D / 2][16] bf16 pairs */
+        uint32_t pt[AMX_KEYS / 2 * AMX_ROWS] __attribute__((aligned(64)));    /* P^T: [32][16] bf16 pairs */
+        float s[AMX_KEYS * AMX_ROWS] __attribute__((aligned(64)));            /* S^T: [64][16] */
+        float pv[AMX_MAX_DIM * AMX_ROWS] __attribute__((aligned(64)));        /* a block's (P V)^T */
+        float o[AMX_MAX_DIM * AMX_ROWS] __attribute__((aligned(64)));         /* O^T: [D][16] */
+        #pragma omp for schedule(dynamic, 1)
+        for (long item = 0; item < H * nqb; item++) {
+            const long h = item % H, g = h / G, p0 = (nqb - 1 - item / H) * AMX_ROWS;  /* longest rows first */
+            const long rows = Tq - p0 < AMX_ROWS ? Tq - p0 : AMX_ROWS, first = offset + p0, last = first + rows - 1;
+            const __mmask16 real = rows == AMX_ROWS ? 0xFFFF : (__mmask16)((1u << rows) - 1);
+            const __m512i pos = _mm512_add_epi32(lane, _mm512_set1_epi32((int)first));
+            const __m512i row_offsets = _mm512_mullo_epi32(lane, _mm512_set1_epi32((int)(H * D)));
+            const float *qh = q + (p0 * H + h) * D;
+            for (long j = 0; j < D / 2; j++)  /* dimensions 2j, 2j + 1 of the 16 positions */
+                _mm512_store_si512(qt + j * AMX_ROWS, bf16_pairs(
+                    _mm512_mask_i32gather_ps(_mm512_setzero_ps(), real, row_offsets, qh + 2 * j, 4),
+                    _mm512_mask_i32gather_ps(_mm512_setzero_ps(), real, row_offsets, qh + 2 * j + 1, 4)));
+            __m512 m = _mm512_set1_ps(-1e30f), l = _mm512_setzero_ps();  /* finite: no inf - inf */
+            for (long d = 0; d < D; d++) _mm512_store_ps(o + d * AMX_ROWS, _mm512_setzero_ps());
+            const long lo = window > 0 && first >= window ? first - window + 1 : 0;
+            for (long c0 = lo / AMX_KEYS * AMX_KEYS; c0 <= last; c0 += AMX_KEYS) {
+                const uint16_t *kb = kh + (g * Tp + c0) * D;
+                AMX_ZERO(0); AMX_ZERO(1); AMX_ZERO(2); AMX_ZERO(3);  /* (tile numbers: constants) */
+                for (long st = 0; st < steps; st++) {
+                    AMX_LOAD(4, qt + st * 16 * AMX_ROWS, 64);
+                    AMX_LOAD(6, kb + 32 * st, D * 2); AMX_DPBF16PS(0, 6, 4);
+                    AMX_LOAD(6, kb + 16 * D + 32 * st, D * 2); AMX_DPBF16PS(1, 6, 4);
+                    AMX_LOAD(6, kb + 32 * D + 32 * st, D * 2); AMX_DPBF16PS(2, 6, 4);
+                    AMX_LOAD(6, kb + 48 * D + 32 * st, D * 2); AMX_DPBF16PS(3, 6, 4);
+                }
+                AMX_STORE(0, s, 64); AMX_STORE(1, s + 16 * AMX_ROWS, 64);
+                AMX_STORE(2, s + 32 * AMX_ROWS, 64); AMX_STORE(3, s + 48 * AMX_ROWS, 64);
+                /* key c0 + c is visible to position p when c0 + c <= p and, with a window, p - (c0 + c) < window */
+                const int masked = c0 + AMX_KEYS - 1 > first || (window > 0 && c0 <= last - window);
+                /* the block's largest raw scores (scale2 > 0: the largest scaled ones too), and below the
+                 * sums, in four registers each: the loops are unrolled by hand so that four independent
+                 * chains are in flight (an array indexed by c % 4 would live in memory) */
+                __m512 top0 = _mm512_set1_ps(-INFINITY), top1 = top0, top2 = top0, top3 = top0;
+                for (long c = 0; c < AMX_KEYS; c += 4) {
+                    __m512 x0 = _mm512_load_ps(s + c * AMX_ROWS), x1 = _mm512_load_ps(s + (c + 1) * AMX_ROWS),
+                           x2 = _mm512_load_ps(s + (c + 2) * AMX_ROWS), x3 = _mm512_load_ps(s + (c + 3) * AMX_ROWS);
+                    if (masked) {
+                        x0 = hide_keys(x0, pos, c0 + c, window, s + c * AMX_ROWS);
+                        x1 = hide_keys(x1, pos, c0 + c + 1, window, s + (c + 1) * AMX_ROWS);
+                        x2 = hide_keys(x2, pos, c0 + c + 2, window, s + (c + 2) * AMX_ROWS);
+                        x3 = hide_keys(x3, pos, c0 + c + 3, window, s + (c + 3) * AMX_ROWS);
+                    }
+                    top0 = _mm512_max_ps(top0, x0), top1 = _mm512_max_ps(top1, x1);
+                    top2 = _mm512_max_ps(top2, x2), top3 = _mm512_max_ps(top3, x3);
+                }
+                const __m512 sc = _mm512_set1_ps(scale2);
+                const __m512 m_new = _mm512_max_ps(m, _mm512_mul_ps(_mm512_max_ps(_mm512_max_ps(top0, top1),
+                                                                                  _mm512_max_ps(top2, top3)), sc));
+                const __m512 alpha = exp2_neg(_mm512_sub_ps(m, m_new));
+                m = m_new;
+                __m512 sum0 = _mm512_setzero_ps(), sum1 = sum0, sum2 = sum0, sum3 = sum0;
+                for (long c = 0; c < AMX_KEYS; c += 4) {  /* e = 2^(s scale2 - m); a hidden key's -inf gives 0 */
+                    __m512 e0 = exp2_neg(_mm512_fmsub_ps(_mm512_load_ps(s + c * AMX_ROWS), sc, m));
+                    __m512 e1 = exp2_neg(_mm512_fmsub_ps(_mm512_load_ps(s + (c + 1) * AMX_ROWS), sc, m));
+                    __m512 e2 = exp2_neg(_mm512_fmsub_ps(_mm512_load_ps(s + (c + 2) * AMX_ROWS), sc, m));
+                    __m512 e3 = exp2_neg(_mm512_fmsub_ps(_mm512_load_ps(s + (c + 3) * AMX_ROWS), sc, m));
+                    sum0 = _mm512_add_ps(sum0, e0), sum1 = _mm512_add_ps(sum1, e1);
+                    sum2 = _mm512_add_ps(sum2, e2), sum3 = _mm512_add_ps(sum3, e3);
+                    _mm512_store_si512(pt + c / 2 * AMX_ROWS, bf16_pairs(e0, e1));
+                    _mm512_store_si512(pt + (c / 2 + 1) * AMX_ROWS, bf16_pairs(e2, e3));
+                }
+                const __m512 sums = _mm512_add_ps(_mm512_add_ps(sum0, sum1), _mm512_add_ps(sum2, sum3));
+                l = _mm512_fmadd_ps(l, alpha, sums);
+                AMX_LOAD(4, pt, 64);
+                AMX_LOAD(5, pt + 16 * AMX_ROWS, 64);
+                const uint16_t *vb = vt + g * D * Tv + c0;
+#define AMX_PV_TILE(u)                                                                                 \
+    AMX_ZERO(u);                                                                                        \
+    AMX_LOAD(6, vb + (d0 + 16 * u) * Tv, Tv * 2); AMX_DPBF16PS(u, 6, 4);                               \
+    AMX_LOAD(6, vb + (d0 + 16 * u) * Tv + 32, Tv * 2); AMX_DPBF16PS(u, 6, 5);                          \
+    AMX_STORE(u, pv + (d0 + 16 * u) * AMX_ROWS, 64);
+                for (long d0 = 0; d0 < D; d0 += 32) {  /* 16 dimensions per C tile, two at a time */
+                    AMX_PV_TILE(0)
+                    AMX_PV_TILE(1)
+                }
+#undef AMX_PV_TILE
+                for (long d = 0; d < D; d++)
+                    _mm512_store_ps(o + d * AMX_ROWS, _mm512_fmadd_ps(_mm512_load_ps(o + d * AMX_ROWS), alpha,
+                                                                      _mm512_load_ps(pv + d * AMX_ROWS)));
+            }
+            const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.0f), l);
+            float *dst = out + (p0 * H + h) * D;
+            for (long d = 0; d < D; d++)
+                _mm512_mask_i32scatter_ps(dst + d, real, row_offsets, _mm512_mul_ps(_mm512_load_ps(o + d * AMX_ROWS), inv), 4);
+        }
+        AMX_RELEASE();
+        _mm_setcsr(csr);  /* (the caller's thread keeps its own floating-point mode) */
+    }
+    free(kh);
+    free(vt);
+}
+#endif
+
 /* D: a multiple of 8 (kernels.py routes other head sizes to torch); bf16 (see above) needs D a
  * multiple of 16 and the avx512 levels' build, and runs fp32 otherwise. */
 void anna_causal_attention(const float *q, const float *k, const float *v, float *out, long Tq, long T, long H,
                            long KV, long D, float scale, long window, int bf16, int threads) {
     long G = H / KV, nqb = (Tq + BQ - 1) / BQ, nkb = (T + BK - 1) / BK, Tp = nkb * BK, offset = T - Tq;
+#if ANNA_AMX && defined(__AVX512F__)
+    if (bf16 && D % 32 == 0 && D <= AMX_MAX_DIM) {
+        amx_causal_attention(q, k, v, out, Tq, T, H, KV, D, scale, window, threads);
+        return;
+    }
+#endif
 #ifdef __AVX512F__
     bf16 = bf16 && D % 16 == 0;
 #else
