@@ -67,8 +67,10 @@ def test_this_machine_and_the_engine_agree(qwen2_dir, cache_dir):
         ops = llm.llm_engine.runner.model.norm.ops  # (one ops object for all layers)
         assert ops.routing.bf16_matmul == bf16
         assert ops.attention_dtype == (torch.bfloat16 if bf16 else torch.float32)  # prefill attention follows
-        # ... on torch's SDPA (oneDNN's bf16 tiles) where that bf16 runs on an AMX CPU, else on Anna's kernel
-        assert ops.routing.sdpa_min_tokens == (1 if bf16 and force == "auto" and here.has("amx") else 0)
+        # ... on Anna's kernel (on AMX tiles at the amx level), or on torch's SDPA (oneDNN's bf16 tiles)
+        # where the CPU has AMX and Anna's kernels could not be built with it
+        tiles = ops.kernels is not None and ops.kernels.level == "amx"
+        assert ops.routing.sdpa_min_tokens == (1 if bf16 and force == "auto" and here.has("amx") and not tiles else 0)
     fp32 = LLM(str(qwen2_dir), dtype="float32", device="cpu", cache_dir=str(cache_dir), max_model_len=256,
                num_gpu_blocks_override=32)
     assert not fp32.llm_engine.runner.model.norm.ops.routing.bf16_matmul  # an fp32 model stays in fp32
@@ -195,11 +197,40 @@ def test_prompt_attention_runs_on_sdpa_from_the_routed_context_length(cache_dir)
                                    kernels.causal_attention(q, k, v, 0.25, window))  # two paths, two results
 
 
+def test_at_the_amx_level_bf16_prompt_attention_runs_on_tiles_or_on_sdpa_by_head_size(cache_dir):
+    """A bf16 prompt's attention at the amx level (the emulated build where the CPU lacks AMX): on
+    Anna's tile kernel for a head size it takes (a multiple of 32, up to 256), on torch's SDPA in
+    bf16 for one it does not (oneDNN's tiles outrun the vdpbf16ps kernel on such a CPU), whatever
+    the prompt's length, over itself and after a cached prefix."""
+    from conftest import amx_kernels
+
+    from anna.model.attention import sdpa_attention
+    from anna.model.ops import LinearRouting
+    from anna.platforms.cpu.ops import CpuKernelOps
+
+    kernels = amx_kernels("native" if detect_isa().has("amx") else "emulated", cache_dir)
+    ops = CpuKernelOps(kernels, routing=LinearRouting(bf16_matmul=True))
+    ops.attention_dtype = torch.bfloat16
+    torch.manual_seed(0)
+    for dim, tiles in ((64, True), (32, True), (48, False), (16, False)):
+        for tq, tk in ((5, 5), (70, 70), (16, 90)):
+            q, k, v = torch.randn(tq, 4, dim), torch.randn(tk, 2, dim), torch.randn(tk, 2, dim)
+            qpos, kpos = torch.arange(tk - tq, tk).unsqueeze(1), torch.arange(tk).unsqueeze(0)
+            mask = kpos <= qpos if tq != tk else None
+            got = ops.causal_attention(q, k, v, dim ** -0.5, mask)
+            on_tiles = kernels.causal_attention(q, k, v, dim ** -0.5, bf16=True)
+            on_sdpa = sdpa_attention(q, k, v, dim ** -0.5, mask, torch.bfloat16)
+            assert kernels.tile_attention(dim) == tiles
+            assert torch.equal(got, on_tiles if tiles else on_sdpa), (dim, tq, tk)
+            assert not torch.equal(on_tiles, on_sdpa)  # two paths, two results
+
+
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3_moe"])
 def test_bf16_prefill_logits_stay_with_transformers(arch, hf_models, cache_dir, tmp_path):
     """A bf16 checkpoint, a 200-token prompt (every matmul past the weight-streaming kernel's 128
     rows): Anna's prefill logits, with large bf16 matmuls and prefill attention in bf16 (attention
-    on vdpbf16ps only where the CPU has AVX512-BF16) and in fp32, and with the attention on torch's
+    on AMX tiles at the amx level where the head size allows, on vdpbf16ps only where the CPU has
+    AVX512-BF16) and in fp32, and with the attention on torch's
     SDPA instead of Anna's kernel (cpu_sdpa_min_tokens: the prompt whole, and in chunks of 64 that
     attend over their cached prefix through a mask), are no farther from the exact result
     (transformers in fp32 on the same bf16 weights) than transformers' own bf16 run is, and pick
@@ -231,7 +262,10 @@ def test_bf16_prefill_logits_stay_with_transformers(arch, hf_models, cache_dir, 
         err, agree = error(logits)
         assert err <= 1.1 * hf_err + 1e-3 and agree >= hf_agree - 0.02, (config, err, hf_err, agree, hf_agree)
     assert not torch.equal(got[True, 0, False], got[False, 0, False])  # the paths really differ
-    assert not torch.equal(got[True, 0, False], got[True, 1, False])
+    kernels = llm.llm_engine.runner.model.norm.ops.kernels
+    dim = getattr(hf.config, "head_dim", None) or hf.config.hidden_size // hf.config.num_attention_heads
+    if not (kernels.level == "amx" and not kernels.tile_attention(dim)):  # (there SDPA attends in both)
+        assert not torch.equal(got[True, 0, False], got[True, 1, False])
 
 
 def test_bf16_dot_products_stay_with_transformers_through_prefill_and_fused_decode(hf_models, cache_dir, tmp_path):

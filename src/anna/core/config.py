@@ -142,7 +142,7 @@ class ServeSettings:
         -1, "On CPU with Anna's kernels: a prompt chunk attending over a context of at least this many tokens runs "
             "torch's scaled_dot_product_attention (oneDNN; bf16 on AMX tiles where the CPU has them) instead of "
             "Anna's prefill attention kernel; 0 = never; -1 = by the CPU: 1 where the prefill attention runs in "
-            "bf16 on an AMX CPU (cpu_isa), else never.", minimum=-1)
+            "bf16 on an AMX CPU whose kernels were built without AMX tiles (cpu_isa), else never.", minimum=-1)
     cpu_mlp_tile_rows: int | None = _setting(
         256, "On CPU, a gated MLP of more rows (prefill) runs in tiles of this many where Anna's kernels serve a "
              "tile from the stored weights, so that its wide intermediate rows stay in cache between its two "

@@ -168,21 +168,24 @@ BF16_DOT_MIN_ROWS = 8
 BF16_PAIR_MAX_ROWS = 32
 
 
-# cpu_sdpa_min_tokens -1: torch's SDPA for prompt attention from this many tokens where a bf16
-# model's attention runs in bf16 on an AMX CPU (benchmarks/attention_bench.py --prefill, a 2-vCPU AMX
-# Xeon: SDPA in bf16 level with Anna's kernel at 16 tokens, 1.9x at 256, 2.2x at 512, 3.2x at 2,048), else never (a Zen 4,
-# AVX512-BF16 without AMX: Anna's kernel 2.3x SDPA's bf16 at 2,048)
+# cpu_sdpa_min_tokens -1: torch's SDPA for prompt attention from this many tokens where SDPA outruns
+# Anna's kernel: a bf16 model's attention on an AMX CPU whose kernels were not built with the tiles
+# (benchmarks/attention_bench.py --prefill, a 2-vCPU AMX Xeon: SDPA in bf16 (oneDNN's tiles) level
+# with the vdpbf16ps kernel at 16 tokens, 1.9x at 256, 3.2x at 2,048), else never: Anna's kernel on
+# AMX tiles ran 1.4-2x SDPA in bf16 at 64-2,048 tokens there, and on a Zen 4 (AVX512-BF16, no AMX)
+# the vdpbf16ps kernel ran 2.3x SDPA's bf16 at 2,048
 SDPA_MIN_TOKENS = {False: 0, True: 1}
 
 
-def linear_routing(cpu: Any, bf16_matmul: bool = False, amx: bool = False) -> LinearRouting:
+def linear_routing(cpu: Any, bf16_matmul: bool = False, sdpa_outruns_kernel: bool = False) -> LinearRouting:
     """The matmul routing thresholds of the cpu settings section (``bf16_matmul``: what the CPU's
     instruction sets allow for this model, platforms/cpu/isa.py; without it no bf16 dot product runs,
-    whatever cpu_bf16_dot_min_rows says; ``amx``: the CPU runs at the amx level)."""
+    whatever cpu_bf16_dot_min_rows says; ``sdpa_outruns_kernel``: an AMX CPU whose kernels have no
+    tiles, see SDPA_MIN_TOKENS)."""
     threshold = cpu.int4_gemv_m_threshold if cpu.int4_gemv_m_threshold >= 0 else INT4_PACKED_MAX_ROWS[bf16_matmul]
     dot_rows = cpu.cpu_bf16_dot_min_rows if cpu.cpu_bf16_dot_min_rows >= 0 else BF16_DOT_MIN_ROWS
     pair_rows = cpu.cpu_bf16_pair_max_rows if cpu.cpu_bf16_pair_max_rows >= 0 else BF16_PAIR_MAX_ROWS
-    sdpa = cpu.cpu_sdpa_min_tokens if cpu.cpu_sdpa_min_tokens >= 0 else SDPA_MIN_TOKENS[bf16_matmul and amx]
+    sdpa = cpu.cpu_sdpa_min_tokens if cpu.cpu_sdpa_min_tokens >= 0 else SDPA_MIN_TOKENS[bf16_matmul and sdpa_outruns_kernel]
     return LinearRouting(cpu.cpu_gemv_max_rows, cpu.cpu_upcast_min_rows, cpu.int4_matmul, threshold, bf16_matmul,
                          dot_rows if bf16_matmul else 0, pair_rows, cpu.cpu_mlp_tile_rows, sdpa)
 

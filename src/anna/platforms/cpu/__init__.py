@@ -58,7 +58,8 @@ def _describe_prefill_attention(ops: Any) -> str:
         return f"{dtype}, torch's SDPA"
     sdpa = ops.routing.sdpa_min_tokens
     if not sdpa:
-        return f"{dtype}, Anna's kernel"
+        tiles = ops.attention_dtype == torch.bfloat16 and ops.kernels.level == "amx"
+        return f"{dtype}, Anna's kernel" + (" (AMX tiles)" if tiles else "")
     return f"{dtype}, torch's SDPA" + (f" from {sdpa} tokens of context, Anna's kernel below" if sdpa > 1 else "")
 
 
@@ -166,8 +167,9 @@ class CpuPlatform(Platform):
         isa = detect_isa(force=cpu.cpu_isa)
         log.info(isa.describe())
         kernels = build_cpu_kernels(cache_dir, cpu.cpu_kernel_compiler, isa) if cpu.cpu_kernels else None
+        tiles = kernels is not None and kernels.level == "amx"
         routing = linear_routing(cpu, bf16_matmul=isa.bf16_matmul and weight_dtype == torch.bfloat16,
-                                 amx=isa.has("amx"))
+                                 sdpa_outruns_kernel=isa.has("amx") and not tiles)
         ops = CpuTorchOps(quant, routing, profiler) if kernels is None else CpuKernelOps(kernels, quant, routing, profiler)
         if routing.bf16_matmul:
             ops.attention_dtype = torch.bfloat16

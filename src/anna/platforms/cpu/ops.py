@@ -216,19 +216,21 @@ class CpuKernelOps(CpuTorchOps):
 
     def causal_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                          mask: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
-        """Anna's kernel: in bf16 (vdpbf16ps) where attention_dtype is bf16, which build_ops sets only
-        on CPUs with hardware bf16, else fp32. On a 2-core Zen 4 at 2,048 tokens the bf16 kernel ran
-        1.9x the fp32 one and 2.3x torch's SDPA in bf16 (benchmarks/attention_bench.py --prefill);
-        on an AMX CPU torch's SDPA in bf16 (oneDNN's tiles) runs several times the kernel, so a
-        context of routing.sdpa_min_tokens or more goes there."""
-        if q.shape[-1] % 8:
+        """Anna's kernel: in bf16 where attention_dtype is bf16, which build_ops sets only on CPUs
+        with hardware bf16 (on AMX tiles at the amx level, else on vdpbf16ps), else fp32. On a 2-core
+        Zen 4 at 2,048 tokens the vdpbf16ps kernel ran 1.9x the fp32 one and 2.3x torch's SDPA in
+        bf16; on a 2-vCPU AMX Xeon the tiles ran 1.4-2x SDPA in bf16 at 64-2,048 tokens, while SDPA
+        (oneDNN's tiles) ran several times the vdpbf16ps kernel (benchmarks/attention_bench.py
+        --prefill). So at the amx level a head size the tiles do not take goes to SDPA, and a
+        context of routing.sdpa_min_tokens or more does."""
+        bf16, dim = self.attention_dtype == torch.bfloat16, q.shape[-1]
+        if dim % 8 or (bf16 and self.kernels.level == "amx" and not self.kernels.tile_attention(dim)):
             return super().causal_attention(q, k, v, scale, mask, window)
         sdpa = self.routing.sdpa_min_tokens
         with self.region("attention:prefill"):
             if sdpa and k.shape[0] >= sdpa:
                 return super().causal_attention(q, k, v, scale, mask, window)
-            return self.kernels.causal_attention(q, k, v, scale, window,
-                                                 bf16=self.attention_dtype == torch.bfloat16).to(q.dtype)
+            return self.kernels.causal_attention(q, k, v, scale, window, bf16=bf16).to(q.dtype)
 
     def decode_attention(self, q: torch.Tensor, cache: PagedKV, meta: AttentionMetadata, scale: float,
                          sliding_window: int | None) -> torch.Tensor:
