@@ -145,17 +145,23 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: Pa
     """q: [T, H, D]; k, v: [T, KV, D] for the new tokens. Writes k/v to the cache, returns [T, H, D].
     (The sliding window is already in the masks; ``sliding_window`` is for Anna's CPU kernel.)"""
     ops.write_kv(cache, k, v, meta.slot_mapping)
-    out = torch.empty_like(q)
     nd = meta.num_decode_tokens
-    if nd:
-        out[:nd] = ops.decode_attention(q[:nd], cache, meta, scale, sliding_window)
-    for chunk in meta.prefills:
+
+    def prefill(chunk: PrefillChunk) -> torch.Tensor:
         sl = slice(chunk.query_start, chunk.query_start + chunk.query_len)
         if chunk.mask is None and cache.format.stores_exactly(k.dtype):  # a whole prompt over itself
             keys, values = k[sl], v[sl]
         else:  # the chunk's context as the cache holds it
             keys, values = _cached_context(cache, chunk, meta.block_size, q.dtype)
-        out[sl] = ops.causal_attention(q[sl], keys, values, scale, chunk.mask, sliding_window)
+        return ops.causal_attention(q[sl], keys, values, scale, chunk.mask, sliding_window)
+
+    if not nd and len(meta.prefills) == 1 and meta.prefills[0].query_len == q.shape[0]:
+        return prefill(meta.prefills[0]).contiguous()  # a lone prompt chunk: no copy where it is contiguous
+    out = torch.empty_like(q)
+    if nd:
+        out[:nd] = ops.decode_attention(q[:nd], cache, meta, scale, sliding_window)
+    for chunk in meta.prefills:
+        out[chunk.query_start:chunk.query_start + chunk.query_len] = prefill(chunk)
     return out
 
 
