@@ -17,8 +17,9 @@ build of the kernels (an earlier commit's), alternated with this tree's on the s
     python benchmarks/attention_bench.py --prefill --contexts 512 2048
 
 --prefill: a prompt's causal attention over itself instead (one layer, --contexts tokens): Anna's
-kernel (csrc/prefill_attention.c) in fp32 and in bf16 (vdpbf16ps: run it on a CPU with AVX512-BF16)
-against torch's SDPA in fp32 and in bf16, alternated, best of --repeats, in ms per layer and GFLOPS.
+kernel (csrc/prefill_attention.c) in fp32 and in bf16 (vdpbf16ps, or AMX tiles on an AMX CPU: run
+it on a CPU with AVX512-BF16) against torch's SDPA in fp32 and in bf16, alternated, best of
+--repeats, in ms per layer and GFLOPS.
 """
 
 from __future__ import annotations
