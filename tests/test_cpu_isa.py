@@ -232,7 +232,7 @@ def test_bf16_prefill_logits_stay_with_transformers(arch, hf_models, cache_dir, 
     on AMX tiles at the amx level where the head size allows, on vdpbf16ps only where the CPU has
     AVX512-BF16) and in fp32, and with the attention on torch's
     SDPA instead of Anna's kernel (cpu_sdpa_min_tokens: the prompt whole, and in chunks of 64 that
-    attend over their cached prefix through a mask), are no farther from the exact result
+    attend over their cached prefix through a mask), and Anna's kernel on those chunks too, are no farther from the exact result
     (transformers in fp32 on the same bf16 weights) than transformers' own bf16 run is, and pick
     the same top token as often."""
     from anna import LLM
@@ -246,7 +246,8 @@ def test_bf16_prefill_logits_stay_with_transformers(arch, hf_models, cache_dir, 
     hf_bf16 = hf_logits(hf, prompt)[: len(prompt)]
     exact = hf_logits(hf.float(), prompt)[: len(prompt)]
     got = {}
-    for bf16, sdpa, chunks in ((True, 0, None), (False, 0, None), (True, 1, None), (True, 1, [64, 64, 64, 8])):
+    for bf16, sdpa, chunks in ((True, 0, None), (False, 0, None), (True, 1, None), (True, 1, [64, 64, 64, 8]),
+                               (True, 0, [64, 64, 64, 8])):
         llm = LLM(str(path), dtype="bfloat16", device="cpu", cache_dir=str(cache_dir), max_model_len=512,
                   num_gpu_blocks_override=64)
         ops = llm.llm_engine.runner.model.norm.ops  # the one ops object every layer calls
