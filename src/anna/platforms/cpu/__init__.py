@@ -59,7 +59,8 @@ def _describe_prefill_attention(ops: Any) -> str:
     sdpa = ops.routing.sdpa_min_tokens
     if not sdpa:
         tiles = ops.attention_dtype == torch.bfloat16 and ops.kernels.level == "amx"
-        return f"{dtype}, Anna's kernel" + (" (AMX tiles)" if tiles else "")
+        return f"{dtype}, Anna's kernel" + (" (AMX tiles; SDPA for head sizes not a multiple of 32 up to 256)"
+                                            if tiles else "")
     return f"{dtype}, torch's SDPA" + (f" from {sdpa} tokens of context, Anna's kernel below" if sdpa > 1 else "")
 
 

@@ -230,12 +230,11 @@ class CpuKernelOps(CpuTorchOps):
         (oneDNN's tiles) ran several times the vdpbf16ps kernel (benchmarks/attention_bench.py
         --prefill). So at the amx level a head size the tiles do not take goes to SDPA, and a
         context of routing.sdpa_min_tokens or more does."""
-        bf16, dim = self.attention_dtype == torch.bfloat16, q.shape[-1]
-        if dim % 8 or (bf16 and self.kernels.level == "amx" and not self.kernels.tile_attention(dim)):
-            return super().causal_attention(q, k, v, scale, mask, window)
-        sdpa = self.routing.sdpa_min_tokens
+        bf16, dim, sdpa = self.attention_dtype == torch.bfloat16, q.shape[-1], self.routing.sdpa_min_tokens
+        on_sdpa = (dim % 8 or (bf16 and self.kernels.level == "amx" and not self.kernels.tile_attention(dim))
+                   or (sdpa and k.shape[0] >= sdpa))
         with self.region("attention:prefill"):
-            if sdpa and k.shape[0] >= sdpa:
+            if on_sdpa:
                 return super().causal_attention(q, k, v, scale, mask, window)
             return self.kernels.causal_attention(q, k, v, scale, window, bf16=bf16).to(q.dtype)
 
