@@ -383,6 +383,66 @@ def test_amx_tile_prompt_attention_is_exact_attention_of_the_rounded_inputs(cach
     _check_bf16_attention(kernels, lengths, heads, kv_heads, dim, seed=7)
 
 
+def _tile_matmul_cases(build: str) -> list[tuple[int, int, int]]:
+    """(M, N, K): M from one row to several 32-row steps with a short last one; N and K from one
+    tile to several; on the native build also a block of x rows over the 1 MB the kernel keeps per
+    thread (M = 600 at K = 896) and more panels than one packed group holds (N = 4,736 at K = 896)."""
+    cases = [(m, 64, 64) for m in (1, 2, 15, 16, 17, 31, 32, 33, 63, 100, 130)] + [(40, 96, 160), (70, 32, 32)]
+    if build == "native":
+        cases += [(600, 96, 896), (40, 4736, 896), (257, 1152, 896), (130, 896, 4864)]
+    else:
+        cases += [(600, 64, 896)]
+    return cases
+
+
+@pytest.mark.parametrize("build", ["native", "emulated"])
+def test_amx_tile_matmul_is_the_exact_matmul_of_the_rounded_inputs(cache_dir, build):
+    """The amx level's large-M bf16 matmul on tiles, reading the interleaved weight as stored
+    (native on an AMX CPU; the same code with the tile instructions emulated in C on any AVX-512
+    VNNI CPU): x (fp32, rounded by the kernel, or bf16) times W^T plus the bias equals the float64
+    product of the bf16 values within fp32 summation error, in fp32 and rounded once to bf16."""
+    from conftest import amx_kernels
+
+    kernels = amx_kernels(build, cache_dir)
+    g = torch.Generator().manual_seed(11)
+    for m, n, k in _tile_matmul_cases(build):
+        w = (torch.randn(n, k, generator=g) / k ** 0.5).to(torch.bfloat16)
+        bias = torch.randn(n, generator=g).to(torch.bfloat16)
+        x = torch.randn(m, k, generator=g)
+        assert kernels.tile_matmul_fits(interleave_rows(w))
+        exact = F.linear(x.to(torch.bfloat16).double(), w.double(), bias.double())
+        scale = F.linear(x.to(torch.bfloat16).double().abs(), w.double().abs()).max().item()
+        for xin, b in ((x, bias), (x.to(torch.bfloat16), None)):
+            want = exact if b is not None else exact - bias.double()
+            got = kernels.tile_matmul(xin, interleave_rows(w), b)
+            assert got.dtype == torch.float32 and got.shape == (m, n)
+            assert (got.double() - want).abs().max().item() <= 1e-5 * scale, (m, n, k)
+            half = kernels.tile_matmul(xin, interleave_rows(w), b, out_dtype=torch.bfloat16)
+            assert half.dtype == torch.bfloat16
+            torch.testing.assert_close(half.float(), got.to(torch.bfloat16).float(), rtol=2 ** -8, atol=1e-6 * scale)
+
+
+@pytest.mark.parametrize("build", ["native", "emulated"])
+def test_amx_tile_gated_activation_is_silu_gate_times_up(cache_dir, build):
+    """The gated MLP's first matmul with its activation in the same kernel: [gate | up] = x W^T + b
+    from the interleaved [2I, K] weight, silu(gate) * up rounded once to bf16, against float64."""
+    from conftest import amx_kernels
+
+    kernels = amx_kernels(build, cache_dir)
+    g = torch.Generator().manual_seed(12)
+    for m, n, k in _tile_matmul_cases(build):
+        w = (torch.randn(n, k, generator=g) / k ** 0.5).to(torch.bfloat16)
+        bias = torch.randn(n, generator=g) / 4
+        x = torch.randn(m, k, generator=g)
+        for b in (bias, None):
+            h = F.linear(x.to(torch.bfloat16).double(), w.double(), None if b is None else b.double())
+            gate, up = h.chunk(2, dim=-1)
+            want = F.silu(gate) * up
+            got = kernels.tile_gated_act(x, interleave_rows(w), b)
+            assert got.dtype == torch.bfloat16 and got.shape == (m, n // 2)
+            torch.testing.assert_close(got.double(), want, rtol=2 ** -8, atol=1e-5, msg=lambda e: f"{(m, n, k)}: {e}")
+
+
 def test_bf16_prefill_attention_runs_fp32_where_it_cannot_run_bf16(kernels):
     """The avx2 build, and a head size that is not a multiple of 16, run the fp32 kernel for bf16=True."""
     if kernels.level != "avx2":

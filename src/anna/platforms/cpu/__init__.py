@@ -73,6 +73,24 @@ def _libc():
 
 _LIBC = _libc()
 
+# glibc's malloc hands a block over its mmap threshold (128 KB, raised to the size of such a
+# block when one is freed, up to 32 MB) straight back to the kernel on free, and trims the heap's
+# free top over twice that: the next step's activations of that size then fault in fresh zeroed
+# pages, one fault per 4 KB. A prefill allocates each layer's matmul outputs afresh (tens of MB
+# at 2,048 tokens), so these thresholds are raised once the model runs here; the memory release
+# path (empty_cache) gives the kept memory back.
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+MALLOC_MMAP_THRESHOLD = 256 << 20
+MALLOC_TRIM_THRESHOLD = 1 << 30
+
+
+def keep_freed_memory() -> bool:
+    """Raise glibc's mmap and trim thresholds (see above); False where there is no glibc."""
+    if _LIBC is None or not hasattr(_LIBC, "mallopt"):
+        return False
+    return bool(_LIBC.mallopt(M_MMAP_THRESHOLD, MALLOC_MMAP_THRESHOLD)
+                and _LIBC.mallopt(M_TRIM_THRESHOLD, MALLOC_TRIM_THRESHOLD))
+
 
 class CpuPlatform(Platform):
     name = "cpu"  # auto_compile_mode stays none: the fused C decode stack is what torch.compile cannot see into
@@ -111,7 +129,9 @@ class CpuPlatform(Platform):
         return 0
 
     def empty_cache(self) -> None:
-        pass
+        """Give the heap's free memory back to the kernel (kept there by keep_freed_memory)."""
+        if _LIBC is not None and hasattr(_LIBC, "malloc_trim"):
+            _LIBC.malloc_trim(0)
 
     def kv_budget(self, *, memory_utilization: float, reserve: int, workspace: int, enough: int) -> KVBudget:
         avail = self.memory_info().free
@@ -159,14 +179,17 @@ class CpuPlatform(Platform):
     def build_ops(self, cpu: Any, quant: QuantFormat, profiler: Any, cache_dir: str = "~/.cache/anna",
                   weight_dtype: torch.dtype | None = None) -> ModelOps:
         """``weight_dtype``: the model's. A bf16 model (quantized or not) on a CPU with hardware
-        bf16 runs its large matmuls and its prefill attention in bf16 (oneDNN's kernels: several
-        times fp32's rate for the matmuls, about twice for attention at 2,048 tokens)."""
+        bf16 runs its large matmuls and its prefill attention in bf16 (several times fp32's rate
+        for the matmuls, about twice for attention at 2,048 tokens): at the amx level on Anna's
+        tile kernels where they take the shape, else on oneDNN's."""
         from anna.platforms.cpu.isa import detect_isa
         from anna.platforms.cpu.kernels import build_cpu_kernels
         from anna.platforms.cpu.ops import CpuKernelOps, CpuTorchOps
 
         isa = detect_isa(force=cpu.cpu_isa)
         log.info(isa.describe())
+        if not keep_freed_memory():
+            log.debug("glibc's malloc thresholds left as they are (no mallopt here)")
         kernels = build_cpu_kernels(cache_dir, cpu.cpu_kernel_compiler, isa) if cpu.cpu_kernels else None
         tiles = kernels is not None and kernels.level == "amx"
         routing = linear_routing(cpu, bf16_matmul=isa.bf16_matmul and weight_dtype == torch.bfloat16,
@@ -176,7 +199,9 @@ class CpuPlatform(Platform):
             ops.attention_dtype = torch.bfloat16
         log.info("CPU kernels: %s; larger bf16 matmuls: %s; prefill attention: %s",
                  _describe_kernels(kernels, routing, weight_dtype),
-                 "bf16 (oneDNN, hardware bf16)" if routing.bf16_matmul else "fp32",
+                 ("fp32" if not routing.bf16_matmul else
+                  "bf16 on Anna's AMX tile kernel (oneDNN's for shapes it does not take, and quantized weights)"
+                  if tiles else "bf16 (oneDNN, hardware bf16)"),
                  _describe_prefill_attention(ops))
         return ops
 

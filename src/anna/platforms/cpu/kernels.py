@@ -29,7 +29,8 @@ log = logging.getLogger(__name__)
 KERNEL_DIR = Path(__file__).parent / "csrc"
 # decode_attention.c first: it takes most of the build, so it starts before the others
 SOURCES = [KERNEL_DIR / name for name in ("decode_attention.c", "cpu_kernels.c", "quant_kernels.c", "decode_layers.c",
-                                          "gated_delta.c", "decode_hybrid.c", "kv_cache.c", "prefill_attention.c")]
+                                          "gated_delta.c", "decode_hybrid.c", "kv_cache.c", "prefill_attention.c",
+                                          "tile_matmul.c")]
 HEADERS = [KERNEL_DIR / name for name in ("work_split.h", "decode_common.h", "bf16.h", "kv_format.h", "vec_math.h",
                                           "amx_tiles.h")]
 CFLAGS = ["-O3", "-fopenmp", "-fPIC"]
@@ -38,8 +39,8 @@ CFLAGS = ["-O3", "-fopenmp", "-fPIC"]
 # avx512: the weight-streaming kernel in 512-bit vectors (csrc/cpu_kernels.c), with a bf16 dot product
 # path (vdpbf16ps, a function target) that the caller runs only on CPUs with AVX512-BF16; avx512_vnni:
 # also the quantized dot products on vpdpbusd and int4 tiles of 16 rows (csrc/quant_kernels.c); amx:
-# also int4 matmuls of 16 rows of x or more on AMX int8 tiles, and bf16 prompt attention on bf16 tiles
-# (csrc/amx_tiles.h, csrc/prefill_attention.c).
+# also int4 matmuls of 16 rows of x or more on AMX int8 tiles, bf16 prompt attention and large-M
+# bf16 matmuls on bf16 tiles (csrc/amx_tiles.h, csrc/prefill_attention.c, csrc/tile_matmul.c).
 _AVX512 = ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl"]
 LEVEL_CFLAGS = {
     "avx2": ["-mavx2", "-mfma", "-mf16c"],
@@ -56,6 +57,10 @@ UNPACK_SCRATCH_BYTES = 128 << 20
 
 def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
+
+
+def _fp32(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.float().contiguous()
 
 
 class AnnaLinear(ctypes.Structure):
@@ -145,6 +150,10 @@ class CpuKernels:
                    lib.anna_paged_decode_attention, lib.anna_qgemm, lib.anna_qgemm_experts, lib.anna_dequant,
                    lib.anna_decode_layers, lib.anna_argmax_rows, lib.anna_kv_write, lib.anna_causal_attention):
             fn.restype = None
+        if level == "amx":  # csrc/tile_matmul.c: only the amx level's build has these
+            lib.anna_tile_matmul.argtypes = [p, i, p, p, p, i, l, l, l, i]
+            lib.anna_tile_gated_act.argtypes = [p, i, p, p, p, i, l, l, l, i]
+            lib.anna_tile_matmul.restype = lib.anna_tile_gated_act.restype = None
         self.lib = lib
         self._scratch: dict[torch.dtype, torch.Tensor] = {}  # per dtype; see _matmul_operand
 
@@ -175,7 +184,7 @@ class CpuKernels:
         x2 = x.reshape(-1, k).float().contiguous()
         rows, n = x2.shape[0], weight.shape[0]
         y = torch.empty(rows, n, dtype=torch.float32)
-        b = None if bias is None else bias.float().contiguous()
+        b = _fp32(bias)
         self.lib.anna_gemv(x2.data_ptr(), weight.data_ptr(), WEIGHT_TYPES[weight.dtype], _ptr(b), y.data_ptr(),
                            rows, n, k, bf16_dot_rows, bf16_pair_max_rows, torch.get_num_threads())
         return y.view(*x.shape[:-1], n)
@@ -231,7 +240,7 @@ class CpuKernels:
         x2 = x.reshape(-1, k).float().contiguous()
         rows, n = x2.shape[0], qweight.shape[0]
         y = torch.empty(rows, n, dtype=torch.float32)
-        b = None if bias is None else bias.float().contiguous()
+        b = _fp32(bias)
         self.lib.anna_qgemm(x2.data_ptr(), qweight.data_ptr(), scales.data_ptr(), kind, group, _ptr(b), y.data_ptr(),
                             rows, n, k, torch.get_num_threads())
         return y.view(*x.shape[:-1], n)
@@ -372,6 +381,42 @@ class CpuKernels:
         """Whether bf16 prompt attention of this head size runs on AMX tiles (the amx level's build;
         csrc/prefill_attention.c): D a multiple of 32, at most 256."""
         return self.level == "amx" and head_dim % 32 == 0 and head_dim <= 256
+
+    def tile_matmul_fits(self, weight: torch.Tensor) -> bool:
+        """Whether a large-M matmul of this weight (in interleave_rows' layout) runs on AMX tiles
+        (the amx level's build; csrc/tile_matmul.c): bf16, N and K multiples of 32 (so a gated
+        MLP's [gate | up] weight has halves of a multiple of 16, as tile_gated_act needs)."""
+        n, k = weight.shape
+        return self.level == "amx" and weight.dtype == torch.bfloat16 and n % 32 == 0 and k % 32 == 0
+
+    def tile_matmul(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                    out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """x W^T (+ b) on AMX tiles for a weight that ``tile_matmul_fits``: x (fp32 or bf16) rounded to
+        bf16 (as a bf16 GEMM takes it), the sums fp32, the result ``out_dtype`` (fp32 or bf16)."""
+        x2, b, n = self._tile_operand(x), _fp32(bias), weight.shape[0]
+        y = torch.empty(x2.shape[0], n, dtype=out_dtype)
+        self.lib.anna_tile_matmul(x2.data_ptr(), int(x2.dtype == torch.float32), weight.data_ptr(), _ptr(b),
+                                  y.data_ptr(), int(out_dtype == torch.bfloat16), x2.shape[0], n, x2.shape[1],
+                                  torch.get_num_threads())
+        return y.view(*x.shape[:-1], n)
+
+    def tile_gated_act(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                       out: torch.Tensor | None = None) -> torch.Tensor:
+        """silu(gate) * up of a gated MLP, [gate | up] = x W^T (+ b), on AMX tiles (W the [2I, K]
+        gate_up weight, which ``tile_matmul_fits``), into ``out`` (bf16 [rows, I]) or a new
+        bf16 tensor: the gate and up rows never leave the kernel."""
+        x2, b, i = self._tile_operand(x), _fp32(bias), weight.shape[0] // 2
+        if out is None:
+            out = torch.empty(x2.shape[0], i, dtype=torch.bfloat16)
+        self.lib.anna_tile_gated_act(x2.data_ptr(), int(x2.dtype == torch.float32), weight.data_ptr(), _ptr(b),
+                                     out.data_ptr(), 1, x2.shape[0], i, x2.shape[1], torch.get_num_threads())
+        return out
+
+    @staticmethod
+    def _tile_operand(x: torch.Tensor) -> torch.Tensor:
+        """x as [rows, K], fp32 or bf16 (the kernels round fp32 to bf16 as they read it)."""
+        x = x.reshape(-1, x.shape[-1])
+        return (x if x.dtype in (torch.float32, torch.bfloat16) else x.float()).contiguous()
 
     def causal_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                          window: int | None = None, bf16: bool = False) -> torch.Tensor:

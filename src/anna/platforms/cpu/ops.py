@@ -4,7 +4,8 @@ Anna's kernels could be built, those kernels (platforms/cpu/kernels.py).
 Activations and the KV cache are fp32 on CPU (platforms/cpu/__init__.py), so these ops receive
 fp32 activations; weights stay in their own dtype (bf16/fp16, or int8/int4) and the kernels
 read them as they are. Matmuls are routed by M (``LinearRouting``): the weight-streaming kernels
-for decode-sized M, torch's fp32 GEMM above.
+for decode-sized M, torch's GEMM above (bf16 for a bf16 model on hardware bf16; at the amx level
+Anna's tile kernel, on the weights as stored).
 """
 
 from __future__ import annotations
@@ -63,6 +64,13 @@ class CpuTorchOps(ModelOps):
         copy or conversion of it per call)."""
         return False
 
+    def fuses_gated_act(self, mlp: Any, rows: int) -> bool:
+        """Whether the gated MLP runs on ``gated_mlp_on_tiles``."""
+        return False
+
+    def gated_mlp_on_tiles(self, mlp: Any, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
     def bf16_weight(self, layer: Any) -> torch.Tensor:
         """The row-major bf16 weight of a layer that ``runs_bf16`` (a copy may be valid only until
         the next call: see CpuKernels._matmul_operand)."""
@@ -111,6 +119,8 @@ class CpuTorchOps(ModelOps):
         rows = x.numel() // x.shape[-1]
         if not (self.runs_bf16(mlp.gate_up_proj, rows) and self.runs_bf16(mlp.down_proj, rows)):
             return super().gated_mlp(mlp, x)
+        if self.fuses_gated_act(mlp, rows):
+            return self.gated_mlp_on_tiles(mlp, x)
         width = mlp.gate_up_proj.out_features
         gate_up = _bf16_matmul(self, mlp.gate_up_proj, x.reshape(rows, x.shape[-1]),
                                out=self.scratch.take("gate_up", rows, width, torch.bfloat16))
@@ -151,6 +161,21 @@ class CpuKernelOps(CpuTorchOps):
     def runs_bf16(self, layer: Any, rows: int) -> bool:
         return not self.serves_stored(layer, rows) and super().runs_bf16(layer, rows)
 
+    def fuses_gated_act(self, mlp: Any, rows: int) -> bool:
+        return self.on_tiles(mlp.gate_up_proj, rows) and self.on_tiles(mlp.down_proj, rows)
+
+    def gated_mlp_on_tiles(self, mlp: Any, x: torch.Tensor) -> torch.Tensor:
+        """Both matmuls on tiles, the first with the activation in its kernel: silu(gate) * up
+        leaves it in bf16, the down projection's input, and the gate and up rows stay in cache."""
+        gate_up, down = mlp.gate_up_proj, mlp.down_proj
+        rows = x.numel() // x.shape[-1]
+        with self.region(gate_up.profile_name or "matmul:anna_tiles"):
+            act = self.kernels.tile_gated_act(x, gate_up.weight, gate_up.bias,
+                                              out=self.scratch.take("act", rows, down.in_features, torch.bfloat16))
+        with self.region(down.profile_name or "matmul:anna_tiles"):
+            out = self.kernels.tile_matmul(act, down.weight, down.bias, out_dtype=x.dtype)
+        return out.view(*x.shape[:-1], down.out_features)
+
     def bf16_weight(self, layer: Any) -> torch.Tensor:
         if isinstance(layer, QuantLinear) or not layer.interleaved:  # (dequantize: straight to bf16 in C)
             return super().bf16_weight(layer)
@@ -159,9 +184,16 @@ class CpuKernelOps(CpuTorchOps):
     def _row_major(self, weight: torch.Tensor, keep_dtype: bool = False) -> torch.Tensor:
         """A row-major copy of a weight kept in the kernels' layout, for one large-M matmul: a pass
         over the whole weight, timed as its own region (at 512 prompt tokens of the 0.5B shape these
-        copies were about a seventh of a bf16 prefill on an AMX Xeon)."""
+        copies were about a seventh of a bf16 prefill on an AMX Xeon, where bf16 weights now go to
+        the tile kernel, which reads them as stored: ``on_tiles``)."""
         with self.region("deinterleave"):
             return self.kernels.deinterleave(weight, keep_dtype)
+
+    def on_tiles(self, layer: Any, rows: int) -> bool:
+        """Whether a matmul of ``rows`` rows runs on Anna's AMX tile kernel, which reads the weight
+        as stored (csrc/tile_matmul.c), where it would otherwise be a bf16 GEMM on a row-major copy."""
+        return (not isinstance(layer, QuantLinear) and layer.interleaved and self.runs_bf16(layer, rows)
+                and self.kernels.tile_matmul_fits(layer.weight))
 
     def linear(self, layer: Any, x: torch.Tensor) -> torch.Tensor:
         w = layer.weight
@@ -170,6 +202,9 @@ class CpuKernelOps(CpuTorchOps):
             with self.region(layer.profile_name or "matmul:anna_gemv"):
                 return self.kernels.gemv(x, w, layer.bias, self.routing.bf16_dot_rows,
                                          self.routing.bf16_pair_max_rows).to(x.dtype)
+        if self.on_tiles(layer, rows):
+            with self.region(layer.profile_name or "matmul:anna_tiles"):
+                return self.kernels.tile_matmul(x, w, layer.bias, out_dtype=x.dtype)
         if self.runs_bf16(layer, rows):
             return _with_bias(_bf16_matmul(self, layer, x).to(x.dtype), layer)
         if layer.interleaved:  # a large M: torch's fp32 GEMM on a row-major copy converted in C
