@@ -385,9 +385,12 @@ def test_amx_tile_prompt_attention_is_exact_attention_of_the_rounded_inputs(cach
 
 def _tile_matmul_cases(build: str) -> list[tuple[int, int, int]]:
     """(M, N, K): M from one row to several 32-row steps with a short last one; N and K from one
-    tile to several; on the native build also a block of x rows over the 1 MB the kernel keeps per
-    thread (M = 600 at K = 896) and more panels than one packed group holds (N = 4,736 at K = 896)."""
-    cases = [(m, 64, 64) for m in (1, 2, 15, 16, 17, 31, 32, 33, 63, 100, 130)] + [(40, 96, 160), (70, 32, 32)]
+    tile to several; threads sharing the rows (a small weight, many rows) or the weight's panels;
+    fp32 outputs over 4 MB (written past the caches: M = 1,100, N = 1,024; M = 300, N = 4,096); on
+    the native build also a block of x rows over the 1 MB the kernel keeps per thread (M = 600 at
+    K = 896) and more panels than one packed group holds (N = 4,736 at K = 896)."""
+    cases = [(m, 64, 64) for m in (1, 2, 15, 16, 17, 31, 32, 33, 63, 100, 130)] + [(40, 96, 160), (70, 32, 32),
+                                                                                  (1100, 1024, 64), (300, 4096, 64)]
     if build == "native":
         cases += [(600, 96, 896), (40, 4736, 896), (257, 1152, 896), (130, 896, 4864)]
     else:
