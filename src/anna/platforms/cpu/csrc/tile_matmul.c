@@ -12,7 +12,8 @@
  * every 32 rows of x (two A tiles, loaded straight from x) against the panel accumulate four
  * 16 x 16 fp32 C tiles over K: 4 TDPBF16PS per 2 A and 2 B tile loads. x goes in blocks of rows
  * that stay in L2 (X_BLOCK_BYTES), the thread's packed panels in groups that stay in L3
- * (PACK_BYTES), each panel serving every row block.
+ * (PACK_BYTES), each panel serving every row block; each thread keeps both buffers from one call
+ * to the next (at most 9 MB per thread).
  *
  * The gated MLP's first matmul (anna_tile_gated_act) pairs gate row j with up row I + j in a
  * panel, so that C tiles hold both halves of the same 16 columns, and writes silu(gate) * up
@@ -109,6 +110,21 @@ INLINE void store16(void *y, int bf16, int stream, long i, __m512 v) {
 
 INLINE __m512 bias16(const float *bias, long n) { return bias ? _mm512_loadu_ps(bias + n) : _mm512_setzero_ps(); }
 
+/* A 64-byte-aligned buffer of at least `bytes`, kept by the calling thread from one call to the
+ * next (slot 0: packed panels, 1: x rows): a buffer of megabytes allocated per call is mapped
+ * afresh whenever malloc hands it to mmap, and each of its pages then faults on first write (a
+ * 512-token prefill's matmuls ran 1.2x slower once other code had left malloc that way). */
+static void *thread_buffer(int slot, size_t bytes) {
+    static __thread void *buffers[2];
+    static __thread size_t sizes[2];
+    if (sizes[slot] < bytes) {
+        free(buffers[slot]);
+        sizes[slot] = (bytes + 63) / 64 * 64;
+        buffers[slot] = aligned_alloc(64, sizes[slot]);
+    }
+    return buffers[slot];
+}
+
 /* Rows [m, m + rows) of x (bf16, or fp32 when xf32) as bf16 into xl, zero rows after them up to a
  * multiple of 32: the block of x one thread's A tiles read. Each thread keeps its own copy in its
  * L2, so that the tiles do not read lines that the other cores wrote last (the previous op's
@@ -131,8 +147,8 @@ static void load_x_block(const void *x, int xf32, long m, long rows, long K, uin
         long per_group = PACK_BYTES / PANEL_BYTES(K), x_block = X_BLOCK_BYTES / (2 * K) / TILE_X_ROWS * TILE_X_ROWS; \
         if (per_group < 1) per_group = 1;                                                                    \
         if (x_block < TILE_X_ROWS) x_block = TILE_X_ROWS;                                                    \
-        uint16_t *packed = (uint16_t *)aligned_alloc(64, (per_group < p1 - p0 ? per_group : p1 - p0) * PANEL_BYTES(K)); \
-        uint16_t *xl = (uint16_t *)aligned_alloc(64, x_block * K * 2);                                       \
+        uint16_t *packed = (uint16_t *)thread_buffer(0, (per_group < p1 - p0 ? per_group : p1 - p0) * PANEL_BYTES(K)); \
+        uint16_t *xl = (uint16_t *)thread_buffer(1, x_block * K * 2);                                        \
         float c[4][16][16] __attribute__((aligned(64)));                                                     \
         tile_configure();                                                                                    \
         for (long g0 = p0; g0 < p1; g0 += per_group) {                                                       \
@@ -161,8 +177,6 @@ static void load_x_block(const void *x, int xf32, long m, long rows, long K, uin
         }                                                                                                    \
         AMX_RELEASE();                                                                                       \
         _mm_sfence();                                                                                        \
-        free(packed);                                                                                        \
-        free(xl);                                                                                            \
     } while (0)
 
 /* The thread's share of the work: all rows of x for a share of the panels, or all panels for a
