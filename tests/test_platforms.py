@@ -68,6 +68,42 @@ def test_cpu_budget_is_a_share_of_available_ram_capped_by_what_can_be_used():
     assert read_host_memory().free > 0
 
 
+def test_cpu_keeps_freed_activation_memory_for_reuse_until_the_release_path_trims_it():
+    """keep_freed_memory: a freed 64 MB block (a large prefill's matmul output) stays in malloc's
+    heap for the next step instead of going back to the kernel (whose fresh pages would fault
+    again); empty_cache, the memory release path's, hands it back."""
+    import ctypes
+
+    from anna.platforms.cpu import keep_freed_memory
+
+    class MallInfo2(ctypes.Structure):
+        _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                         "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+    libc = ctypes.CDLL(None)
+    if not hasattr(libc, "mallinfo2"):
+        pytest.skip("no glibc mallinfo2 here to read the heap with")
+    libc.mallinfo2.restype = MallInfo2
+    assert keep_freed_memory()
+    block = torch.empty(64 << 20, dtype=torch.uint8)
+    block.fill_(1)
+    in_heap = libc.mallinfo2()
+    assert in_heap.hblkhd < 64 << 20  # from the heap, not a mapping of its own
+    del block
+    freed = libc.mallinfo2()
+    assert freed.fordblks - in_heap.fordblks >= 64 << 20 and freed.arena == in_heap.arena  # kept
+    resident = _resident_bytes()
+    CpuPlatform(torch.device("cpu")).empty_cache()
+    assert _resident_bytes() <= resident - (60 << 20)  # handed back (trimmed, or its pages dropped)
+
+
+def _resident_bytes() -> int:
+    import os
+
+    with open("/proc/self/statm") as fh:
+        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
 def test_cpu_budget_cap_counts_whole_blocks():
     """A max_model_len that is not a multiple of the block size still fits max_num_seqs sequences:
     each one's last block is partly used (276 tokens take 18 blocks of 16, not 17.25)."""
