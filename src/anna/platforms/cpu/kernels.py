@@ -152,7 +152,7 @@ class CpuKernels:
             fn.restype = None
         if level == "amx":  # csrc/tile_matmul.c: only the amx level's build has these
             lib.anna_tile_matmul.argtypes = [p, i, p, p, p, i, l, l, l, i]
-            lib.anna_tile_gated_act.argtypes = [p, i, p, p, p, i, l, l, l, i]
+            lib.anna_tile_gated_act.argtypes = [p, i, p, p, p, l, l, l, i]
             lib.anna_tile_matmul.restype = lib.anna_tile_gated_act.restype = None
         self.lib = lib
         self._scratch: dict[torch.dtype, torch.Tensor] = {}  # per dtype; see _matmul_operand
@@ -409,7 +409,7 @@ class CpuKernels:
         if out is None:
             out = torch.empty(x2.shape[0], i, dtype=torch.bfloat16)
         self.lib.anna_tile_gated_act(x2.data_ptr(), int(x2.dtype == torch.float32), weight.data_ptr(), _ptr(b),
-                                     out.data_ptr(), 1, x2.shape[0], i, x2.shape[1], torch.get_num_threads())
+                                     out.data_ptr(), x2.shape[0], i, x2.shape[1], torch.get_num_threads())
         return out
 
     @staticmethod

@@ -64,13 +64,6 @@ class CpuTorchOps(ModelOps):
         copy or conversion of it per call)."""
         return False
 
-    def fuses_gated_act(self, mlp: Any, rows: int) -> bool:
-        """Whether the gated MLP runs on ``gated_mlp_on_tiles``."""
-        return False
-
-    def gated_mlp_on_tiles(self, mlp: Any, x: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
-
     def bf16_weight(self, layer: Any) -> torch.Tensor:
         """The row-major bf16 weight of a layer that ``runs_bf16`` (a copy may be valid only until
         the next call: see CpuKernels._matmul_operand)."""
@@ -119,8 +112,6 @@ class CpuTorchOps(ModelOps):
         rows = x.numel() // x.shape[-1]
         if not (self.runs_bf16(mlp.gate_up_proj, rows) and self.runs_bf16(mlp.down_proj, rows)):
             return super().gated_mlp(mlp, x)
-        if self.fuses_gated_act(mlp, rows):
-            return self.gated_mlp_on_tiles(mlp, x)
         width = mlp.gate_up_proj.out_features
         gate_up = _bf16_matmul(self, mlp.gate_up_proj, x.reshape(rows, x.shape[-1]),
                                out=self.scratch.take("gate_up", rows, width, torch.bfloat16))
@@ -161,14 +152,13 @@ class CpuKernelOps(CpuTorchOps):
     def runs_bf16(self, layer: Any, rows: int) -> bool:
         return not self.serves_stored(layer, rows) and super().runs_bf16(layer, rows)
 
-    def fuses_gated_act(self, mlp: Any, rows: int) -> bool:
-        return self.on_tiles(mlp.gate_up_proj, rows) and self.on_tiles(mlp.down_proj, rows)
-
-    def gated_mlp_on_tiles(self, mlp: Any, x: torch.Tensor) -> torch.Tensor:
-        """Both matmuls on tiles, the first with the activation in its kernel: silu(gate) * up
-        leaves it in bf16, the down projection's input, and the gate and up rows stay in cache."""
+    def _gated_mlp_rows(self, mlp: Any, x: torch.Tensor) -> torch.Tensor:
+        """Where both matmuls run on tiles, the first with the activation in its kernel: silu(gate)
+        * up leaves it in bf16, the down projection's input, and the gate and up rows stay in cache."""
         gate_up, down = mlp.gate_up_proj, mlp.down_proj
         rows = x.numel() // x.shape[-1]
+        if not (self.on_tiles(gate_up, rows) and self.on_tiles(down, rows)):
+            return super()._gated_mlp_rows(mlp, x)
         with self.region(gate_up.profile_name or "matmul:anna_tiles"):
             act = self.kernels.tile_gated_act(x, gate_up.weight, gate_up.bias,
                                               out=self.scratch.take("act", rows, down.in_features, torch.bfloat16))

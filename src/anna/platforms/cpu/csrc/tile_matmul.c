@@ -216,9 +216,9 @@ void anna_tile_matmul(const void *x, int xf32, const uint16_t *w, const float *b
     }
 }
 
-/* act[M, I] = silu(gate) * up with [gate | up] = x W^T (+ bias) (x as in anna_tile_matmul), W [2I, K]: I a multiple of 16,
- * K of 32; act fp32 (abf16 = 0) or bf16. */
-void anna_tile_gated_act(const void *x, int xf32, const uint16_t *w, const float *bias, void *act, int abf16, long M,
+/* act[M, I] (bf16, the down projection's input) = silu(gate) * up with [gate | up] = x W^T (+ bias)
+ * (x as in anna_tile_matmul), W [2I, K]: I a multiple of 16, K of 32. */
+void anna_tile_gated_act(const void *x, int xf32, const uint16_t *w, const float *bias, uint16_t *act, long M,
                          long I, long K, int threads) {
     #pragma omp parallel num_threads(threads)
     {
@@ -229,7 +229,7 @@ void anna_tile_gated_act(const void *x, int xf32, const uint16_t *w, const float
                 __m512 gv = _mm512_add_ps(_mm512_load_ps(lo), bias16(bias, 16 * p));
                 __m512 uv = _mm512_add_ps(_mm512_load_ps(hi), bias16(bias, I + 16 * p));
                 __m512 sig = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
-                store16(act, abf16, 0, row * I + 16 * p, _mm512_mul_ps(sig, uv));
+                store16_bf16(act + row * I + 16 * p, _mm512_mul_ps(sig, uv));
             });
     }
 }
