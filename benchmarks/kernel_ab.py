@@ -11,7 +11,8 @@ step (the lm_head, 0.27 GB in bf16, is its own). Prints, per shape and M, the me
 matmul of each build, the rate, and base / this tree (above 1: the working tree is faster), and
 checks that both builds give the same result to 1e-5 of its largest value. Both revisions must call
 the kernels with the same arguments (anna_gemv's and anna_qgemm's C signatures); bf16 weights run
-with the built-in routing bounds unless --bf16-pair-max-rows says otherwise.
+in fp32 arithmetic with the built-in routing bounds unless --bf16-pair-max-rows or
+--bf16-dot-min-rows (vdpbf16ps from that M on) says otherwise.
 """
 
 from __future__ import annotations
@@ -57,6 +58,9 @@ def main() -> None:
     ap.add_argument("--cpu-isa", default="auto", help="the kernel level both builds are built for")
     ap.add_argument("--bf16-pair-max-rows", type=int, default=BF16_PAIR_MAX_ROWS,
                     help="bf16 weights widened in registers up to this M (the avx2 level; cpu_bf16_pair_max_rows)")
+    ap.add_argument("--bf16-dot-min-rows", type=int, default=0,
+                    help="bf16 weights on vdpbf16ps from this M on, where the CPU has AVX512-BF16 "
+                         "(cpu_bf16_dot_min_rows); 0: never")
     ap.add_argument("--cache-dir", default="~/.cache/anna")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
@@ -81,11 +85,12 @@ def main() -> None:
     def run(kernels, x, w):
         if args.quantization == "int4":
             return kernels.qgemm(x, w[0], w[1], 1, args.int4_group_size, None)
-        return kernels.gemv(x, w, None, bf16_pair_max_rows=args.bf16_pair_max_rows)
+        return kernels.gemv(x, w, None, args.bf16_dot_min_rows, args.bf16_pair_max_rows)
 
     bytes_per_weight = 0.5 if args.quantization == "int4" else 2
     results = {"cpu": isa.model_name, "level": level, "threads": torch.get_num_threads(), "torch": torch.__version__,
-               "machine": platform.machine(), "base": args.base, "quantization": args.quantization, "rows": []}
+               "machine": platform.machine(), "base": args.base, "quantization": args.quantization,
+               "bf16_dot_min_rows": args.bf16_dot_min_rows, "rows": []}
     print(f"{isa.model_name}, kernel level {level}, {torch.get_num_threads()} threads; base {args.base}")
     torch.manual_seed(0)
     for name in args.shapes.split(","):
