@@ -11,7 +11,8 @@ blocks of 4 rows whose columns alternate in chunks (8 values; int8: 32 weights),
 kernel streams one contiguous block instead of four short rows (about 20% more memory bandwidth
 at K = 896 on a 2-core Zen 3). int4 weights go one step further (``int4_row_lanes``): blocks of 8
 rows with one row per 32-bit lane, which lets the kernel's integer dot products serve 8 rows per
-instruction without horizontal sums.
+instruction without horizontal sums, in pairs whose vectors alternate so that the kernel reads
+one contiguous stream.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from anna.model.quantization import INT4_BLOCK, PackedWeight, dense, quantize_in
 
 PACK_ROWS, PACK_COLS = 4, 8  # cpu_kernels.c's block: 4 rows, columns in chunks of 8 values
 LANE_ROWS = 8  # quant_kernels.c's int4 block: 8 rows, one per 32-bit lane
+LANE_BYTES = 32  # one vector of an int4 block's run of 32 columns (8 rows x 4 bytes)
 
 
 def interleave_rows(weight: torch.Tensor, chunk: int = PACK_COLS, rows: int = PACK_ROWS) -> torch.Tensor:
@@ -43,8 +45,8 @@ def interleave_rows(weight: torch.Tensor, chunk: int = PACK_COLS, rows: int = PA
 def int4_row_lanes(qweight: torch.Tensor) -> torch.Tensor:
     """Packed int4 [N, K/2] (quantization.py's row-major runs) -> quant_kernels.c's "row lanes":
     per block of 8 rows and run of 32 columns k0.., 4 vectors of 32 bytes, byte 4j + i of vector l
-    holding row j's weights k0 + 4l + i (low nibble) and k0 + 16 + 4l + i (high nibble). The
-    last N % 8 rows stay as they are."""
+    holding row j's weights k0 + 4l + i (low nibble) and k0 + 16 + 4l + i (high nibble); blocks
+    in pairs whose vectors alternate (``pair_blocks``). The last N % 8 rows stay as they are."""
     n, half = qweight.shape
     k, full = half * 2, n - n % LANE_ROWS
     out = qweight.clone()
@@ -54,6 +56,18 @@ def int4_row_lanes(qweight: torch.Tensor) -> torch.Tensor:
         q = unpack_int4(qweight[start:start + rows]).view(rows // LANE_ROWS, LANE_ROWS, k // INT4_BLOCK, 2, 4, 4)
         lanes = q.permute(0, 2, 4, 1, 5, 3)  # [block, run, l, row j, i, low/high]
         out[start:start + rows] = (lanes[..., 0] | (lanes[..., 1] << 4)).reshape(rows, half)
+    return pair_blocks(out, LANE_BYTES)
+
+
+def pair_blocks(blocked: torch.Tensor, chunk: int) -> torch.Tensor:
+    """Rows in blocks of LANE_ROWS, each block's values in chunks of ``chunk`` -> pairs of blocks
+    whose chunks alternate (the first block's chunk 0, the second's, then chunk 1 of each, ...), as
+    quant_kernels.c reads a unit of 16 rows; an odd last block and the N % 8 rows after it stay."""
+    n, c = blocked.shape
+    full = n - n % LANE_ROWS
+    per_block = blocked[:full].reshape(full // LANE_ROWS, LANE_ROWS * c)
+    out = blocked.clone()
+    out[:full] = interleave_rows(per_block, chunk, 2).view(full, c)
     return out
 
 
@@ -61,10 +75,10 @@ def quantized_for_cpu_kernel(kind: int, qweight: torch.Tensor,
                              scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Values and scales (row-major, as quantized) in the layout quant_kernels.c reads: int8
     (kind 0) rows interleaved every 32 weights; int4 (kind 1) in row lanes, group scales in
-    blocks of 8 rows alternating every group."""
+    blocks of 8 rows alternating every group, paired as the values are."""
     if kind == 0:
         return interleave_rows(qweight, 32), scales
-    return int4_row_lanes(qweight), interleave_rows(scales, 1, LANE_ROWS)
+    return int4_row_lanes(qweight), pair_blocks(interleave_rows(scales, 1, LANE_ROWS), LANE_ROWS)
 
 
 def gather_interleaved_rows(packed: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

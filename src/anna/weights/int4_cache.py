@@ -28,7 +28,7 @@ from safetensors.torch import load_file, save_file
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 3  # 2: entries hold the kernels' layout; 3: fp16 group scales
+FORMAT_VERSION = 4  # 2: entries hold the kernels' layout; 3: fp16 group scales; 4: int4 blocks in pairs
 MANIFEST = "manifest.json"
 
 

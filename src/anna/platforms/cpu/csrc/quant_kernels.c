@@ -19,8 +19,14 @@
  * start at -8 x (the x values they take: see quantize_x_row), so that with the stored nibbles
  * q = w + 8 they end at the sum of w * x, at most 16 x 8 x 127 = 16,256 in size: the int16 adds
  * wrap, so that end value is exact whatever the partial sums did, and is widened once per run.
- * Group scales are [N / 8][K / G][8]. The last N % 8 rows are row-major: each run of 32 weights is
- * 16 bytes, byte i holding weight i (low nibble) and weight i + 16 (high nibble), scales [n][K / G]. */
+ * Blocks go in pairs ("units" of 16 rows, the kernels' unit of work) whose vectors alternate: per
+ * run, vector 0 of the first block, vector 0 of the second, then vector 1 of each, and so on, so
+ * that a unit is one contiguous stream in the order the kernels read it (as two streams, one per
+ * block, the M = 1 kernel drew 20-23 GB/s from memory against 27-28 as one, on a 2-core Zen 4).
+ * Group scales likewise: per unit and group, the first block's 8 scales, then the second's. A last
+ * odd block of 8 rows stands alone (its 4 vectors in order, scales [K / G][8]). The last N % 8
+ * rows are row-major: each run of 32 weights is 16 bytes, byte i holding weight i (low nibble) and
+ * weight i + 16 (high nibble), scales [n][K / G]. */
 #include <immintrin.h>
 #include <math.h>
 #include <omp.h>
@@ -136,6 +142,8 @@ INLINE __m256i unpack_q4_unsigned(const uint8_t *p) {
 #define LANE_TILE_X 4 /* rows of x per int4 tile */
 #define LANE_TILE_X16 8 /* the same for the VNNI build's 16-row tiles (32 vector registers) */
 #define X_BLOCK 64    /* int4: rows of x per pass over a thread's weights (at K = 4864, 311 KB: in L2) */
+#define LANE_BYTES 32 /* int4: one vector of a block's run (8 rows x 4 bytes) */
+#define UNIT_RUN_BYTES (8 * LANE_BYTES) /* int4: a unit's run of 32 columns (2 blocks x 4 vectors) */
 /* How far ahead the first pass over the weights asks for them: 4 KB measured 1.03-1.16x over 1 KB
  * for int4 at M = 1 (a 0.5B model's 24 layers, weights from memory), 1.2x for its lm_head. */
 #define PREFETCH_BYTES 4096
@@ -217,15 +225,16 @@ static void run_s8(const int8_t *xq, const float *xs, const int8_t *w, const voi
         }
 }
 
-/* int4: TW blocks of 8 rows (w, block stride wstride; their scales gs, stride gstride; their bias
- * or NULL) against TM rows of x, into y (TM rows of stride ystride, 8 * TW columns).
+/* int4: a unit (TW = 2) or a lone block (TW = 1) of 8 rows each (w; its scales gs; its bias or
+ * NULL) against TM rows of x, into y (TM rows of stride ystride, 8 * TW columns). Block t's vector
+ * l of run b is at b * run + l * TW * LANE_BYTES + t * LANE_BYTES (the layout above).
  * `prefetch`: the first pass over these weights asks for them PREFETCH_BYTES ahead. */
-INLINE void lane_tile(int TW, int TM, const uint8_t *w, long wstride, const uint16_t *gs, long gstride,
-                      const float *bias, const int8_t *xq, const float *xs, const int32_t *xo, long K, long G,
-                      float *y, long ystride, int prefetch) {
+INLINE void lane_tile(int TW, int TM, const uint8_t *w, const uint16_t *gs, const float *bias, const int8_t *xq,
+                      const float *xs, const int32_t *xo, long K, long G, float *y, long ystride, int prefetch) {
     long blocks = K / 32;
     int gshift = group_shift(G);
     const __m256i low = _mm256_set1_epi8(0x0F);
+    const long run = 4 * TW * LANE_BYTES;  /* bytes of one run of 32 columns */
     __m256 accf[2][LANE_TILE_X];
     for (int t = 0; t < TW; t++)
         for (int m = 0; m < TM; m++) accf[t][m] = bias ? _mm256_loadu_ps(bias + t * 8) : _mm256_setzero_ps();
@@ -235,20 +244,15 @@ INLINE void lane_tile(int TW, int TM, const uint8_t *w, long wstride, const uint
             __m256i start = run_start(xo[m * blocks + b]);
             for (int t = 0; t < TW; t++) acc[t][m] = start;
         }
-        for (int t = 0; t < TW; t++) {
-            if (prefetch) {
-                const char *p = (const char *)(w + t * wstride + b * 128) + PREFETCH_BYTES;
-                _mm_prefetch(p, _MM_HINT_T0);
-                _mm_prefetch(p + 64, _MM_HINT_T0);
-            }
-        }
+        if (prefetch)
+            for (long off = 0; off < run; off += 64) _mm_prefetch((const char *)(w + b * run + off) + PREFETCH_BYTES, _MM_HINT_T0);
         /* Not unrolled: unrolled, gcc computes every product first and spills them all. */
         _Pragma("GCC unroll 1") for (int l = 0; l < 4; l++) {
             if (TM == 1) {  /* few sums: both nibbles of a load at once */
                 const int8_t *xp = xq + b * 32 + 4 * l;
                 __m256i xlo = _mm256_set1_epi32(*(const int32_t *)xp), xhi = _mm256_set1_epi32(*(const int32_t *)(xp + 16));
                 for (int t = 0; t < TW; t++) {
-                    __m256i v = _mm256_loadu_si256((const __m256i *)(w + t * wstride + b * 128 + l * 32));
+                    __m256i v = _mm256_loadu_si256((const __m256i *)(w + b * run + (l * TW + t) * LANE_BYTES));
                     acc[t][0] = add_dot_u8s8(acc[t][0], _mm256_and_si256(v, low), xlo);
                     acc[t][0] = add_dot_u8s8(acc[t][0], _mm256_and_si256(_mm256_srli_epi16(v, 4), low), xhi);
                 }
@@ -259,7 +263,7 @@ INLINE void lane_tile(int TW, int TM, const uint8_t *w, long wstride, const uint
             for (int half = 0; half < 2; half++) {
                 __m256i wv[2];
                 for (int t = 0; t < TW; t++) {
-                    __m256i v = _mm256_loadu_si256((const __m256i *)(w + t * wstride + b * 128 + l * 32));
+                    __m256i v = _mm256_loadu_si256((const __m256i *)(w + b * run + (l * TW + t) * LANE_BYTES));
                     wv[t] = _mm256_and_si256(half ? _mm256_srli_epi16(v, 4) : v, low);
                 }
                 for (int m = 0; m < TM; m++) {
@@ -272,7 +276,7 @@ INLINE void lane_tile(int TW, int TM, const uint8_t *w, long wstride, const uint
             }
         }
         for (int t = 0; t < TW; t++) {
-            __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(gs + t * gstride + (b >> gshift) * LANE_ROWS)));
+            __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(gs + ((b >> gshift) * TW + t) * LANE_ROWS)));
             for (int m = 0; m < TM; m++) {
                 __m256i dot = run_dot(acc[t][m]);
                 accf[t][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(scale, _mm256_set1_ps(xs[m * blocks + b])),
@@ -285,12 +289,11 @@ INLINE void lane_tile(int TW, int TM, const uint8_t *w, long wstride, const uint
 }
 
 #if ANNA_VNNI
-/* int4, AVX-512 VNNI: lane_tile for TW = 2 with both blocks of 8 rows in one 512-bit vector (the
+/* int4, AVX-512 VNNI: lane_tile for a unit, its two blocks' vector l in one 512-bit vector (the
  * first block in the low half), so each instruction serves 16 rows; the int32 sums, the fp32
  * operations and their order are lane_tile's, so the bits are too. */
-INLINE void lane_tile16(int TM, const uint8_t *w, long wstride, const uint16_t *gs, long gstride, const float *bias,
-                        const int8_t *xq, const float *xs, const int32_t *xo, long K, long G, float *y, long ystride,
-                        int prefetch) {
+INLINE void lane_tile16(int TM, const uint8_t *w, const uint16_t *gs, const float *bias, const int8_t *xq,
+                        const float *xs, const int32_t *xo, long K, long G, float *y, long ystride, int prefetch) {
     long blocks = K / 32;
     int gshift = group_shift(G);
     const __m512i low = _mm512_set1_epi8(0x0F);
@@ -302,15 +305,10 @@ INLINE void lane_tile16(int TM, const uint8_t *w, long wstride, const uint16_t *
             acc[m] = _mm512_set1_epi32((int32_t)(int16_t)(xo[m * blocks + b] & 0xFFFF) +
                                        (int32_t)(int16_t)(xo[m * blocks + b] >> 16));
         if (prefetch)
-            for (int t = 0; t < 2; t++) {
-                const char *p = (const char *)(w + t * wstride + b * 128) + PREFETCH_BYTES;
-                _mm_prefetch(p, _MM_HINT_T0);
-                _mm_prefetch(p + 64, _MM_HINT_T0);
-            }
+            for (int off = 0; off < UNIT_RUN_BYTES; off += 64)
+                _mm_prefetch((const char *)(w + b * UNIT_RUN_BYTES + off) + PREFETCH_BYTES, _MM_HINT_T0);
         _Pragma("GCC unroll 1") for (int l = 0; l < 4; l++) {
-            const uint8_t *p = w + b * 128 + l * 32;
-            __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)p)),
-                                           _mm256_loadu_si256((const __m256i *)(p + wstride)), 1);
+            __m512i v = _mm512_loadu_si512(w + b * UNIT_RUN_BYTES + l * 2 * LANE_BYTES);
             __m512i vlo = _mm512_and_si512(v, low), vhi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
             for (int m = 0; m < TM; m++) {
                 const int8_t *xp = xq + m * K + b * 32 + 4 * l;
@@ -318,9 +316,7 @@ INLINE void lane_tile16(int TM, const uint8_t *w, long wstride, const uint16_t *
                 acc[m] = _mm512_dpbusd_epi32(acc[m], vhi, _mm512_set1_epi32(*(const int32_t *)(xp + 16)));
             }
         }
-        const uint16_t *sp = gs + (b >> gshift) * LANE_ROWS;
-        __m512 scale = _mm512_cvtph_ps(_mm256_inserti128_si256(
-            _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)sp)), _mm_loadu_si128((const __m128i *)(sp + gstride)), 1));
+        __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(gs + (b >> gshift) * 2 * LANE_ROWS)));
         for (int m = 0; m < TM; m++)
             accf[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[m]), _mm512_mul_ps(scale, _mm512_set1_ps(xs[m * blocks + b])),
                                       accf[m]);
@@ -358,21 +354,19 @@ static void amx_configure(void) {
     AMX_LOAD_CONFIG(&cfg);
 }
 
-/* A unit's weights (two blocks of 8 rows, wstride bytes apart) as B tiles, [K / 32][8][64] */
-static void amx_unpack_unit(const uint8_t *w, long wstride, long K, uint8_t *tiles) {
+/* A unit's weights (two blocks of 8 rows) as B tiles, [K / 32][8][64] */
+static void amx_unpack_unit(const uint8_t *w, long K, uint8_t *tiles) {
     const __m512i low = _mm512_set1_epi8(0x0F);
     for (long b = 0; b < K / 32; b++)
         for (int l = 0; l < 4; l++) {
-            const uint8_t *p = w + b * 128 + l * 32;
-            __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)p)),
-                                           _mm256_loadu_si256((const __m256i *)(p + wstride)), 1);
+            __m512i v = _mm512_loadu_si512(w + b * UNIT_RUN_BYTES + l * 2 * LANE_BYTES);
             _mm512_store_si512(tiles + b * AMX_RUN_BYTES + l * 64, _mm512_and_si512(v, low));
             _mm512_store_si512(tiles + b * AMX_RUN_BYTES + (l + 4) * 64, _mm512_and_si512(_mm512_srli_epi16(v, 4), low));
         }
 }
 
 /* TM (<= 16) rows of x times a unit whose B tiles are `tiles`: lane_tile16's result */
-INLINE void amx_tile16(int TM, const uint8_t *tiles, const uint16_t *gs, long gstride, const float *bias,
+INLINE void amx_tile16(int TM, const uint8_t *tiles, const uint16_t *gs, const float *bias,
                        const int8_t *xq, const float *xs, const int32_t *xo, long K, long G, float *y, long ystride) {
     long blocks = K / 32;
     int gshift = group_shift(G);
@@ -385,9 +379,7 @@ INLINE void amx_tile16(int TM, const uint8_t *tiles, const uint16_t *gs, long gs
         AMX_ZERO(AMX_C);
         AMX_DPBSUD(AMX_C, AMX_A, AMX_B);
         AMX_STORE(AMX_C, sums, 64);
-        const uint16_t *sp = gs + (b >> gshift) * LANE_ROWS;
-        __m512 scale = _mm512_cvtph_ps(_mm256_inserti128_si256(
-            _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)sp)), _mm_loadu_si128((const __m128i *)(sp + gstride)), 1));
+        __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(gs + (b >> gshift) * 2 * LANE_ROWS)));
         for (int m = 0; m < TM; m++) {
             int32_t start = (int32_t)(int16_t)(xo[m * blocks + b] & 0xFFFF) + (int32_t)(int16_t)(xo[m * blocks + b] >> 16);
             __m512i acc = _mm512_add_epi32(_mm512_set1_epi32(start), _mm512_load_si512(sums[m]));
@@ -402,7 +394,7 @@ INLINE void amx_tile16(int TM, const uint8_t *tiles, const uint16_t *gs, long gs
  * AMX_X_BLOCK rows of x and serve all of them. */
 static void run_int4_amx(const int8_t *xq, const float *xs, const int32_t *xo, const uint8_t *w, const uint16_t *ws,
                          const float *bias, float *y, long M, long N, long K, long G, long u0, long u1) {
-    long unit = 2 * LANE_ROWS, blocks = K / 32, wstride = LANE_ROWS * K / 2, gstride = LANE_ROWS * (K / G);
+    long unit = 2 * LANE_ROWS, blocks = K / 32;
     uint8_t *tiles = (uint8_t *)aligned_alloc(64, blocks * AMX_RUN_BYTES);
     amx_configure();
     for (long m0 = 0; m0 < M; m0 += AMX_X_BLOCK) {
@@ -411,15 +403,15 @@ static void run_int4_amx(const int8_t *xq, const float *xs, const int32_t *xo, c
             long n = u * unit;
             const uint16_t *gp = ws + n * (K / G);
             const float *bp = bias ? bias + n : NULL;
-            amx_unpack_unit(w + n * (K / 2), wstride, K, tiles);
+            amx_unpack_unit(w + n * (K / 2), K, tiles);
             for (long m = m0; m < m1; m += AMX_ROWS) {
                 const int8_t *mq = xq + m * K;
                 const float *ms = xs + m * blocks;
                 const int32_t *mo = xo + m * blocks;
                 if (m1 - m >= AMX_ROWS)
-                    amx_tile16(AMX_ROWS, tiles, gp, gstride, bp, mq, ms, mo, K, G, y + m * N + n, N);
+                    amx_tile16(AMX_ROWS, tiles, gp, bp, mq, ms, mo, K, G, y + m * N + n, N);
                 else
-                    amx_tile16((int)(m1 - m), tiles, gp, gstride, bp, mq, ms, mo, K, G, y + m * N + n, N);
+                    amx_tile16((int)(m1 - m), tiles, gp, bp, mq, ms, mo, K, G, y + m * N + n, N);
             }
         }
     }
@@ -431,7 +423,7 @@ static void run_int4_amx(const int8_t *xq, const float *xs, const int32_t *xo, c
 /* int4: TW (1 or 2) blocks of 8 rows starting at row n, for rows [m0, m1) of x. */
 INLINE void run_lanes(int TW, const int8_t *xq, const float *xs, const int32_t *xo, const uint8_t *w, const uint16_t *ws,
                       const float *bias, float *y, long N, long K, long G, long n, long m0, long m1) {
-    long blocks = K / 32, wstride = LANE_ROWS * K / 2, gstride = LANE_ROWS * (K / G);
+    long blocks = K / 32;
     const uint8_t *wp = w + n * (K / 2);
     const uint16_t *gp = ws + n * (K / G);
     const float *bp = bias ? bias + n : NULL;
@@ -440,7 +432,7 @@ INLINE void run_lanes(int TW, const int8_t *xq, const float *xs, const int32_t *
         for (long m = m0; m < m1; m += LANE_TILE_X16) {
             long tm = m1 - m < LANE_TILE_X16 ? m1 - m : LANE_TILE_X16;
 #define LANE_CASE(T) \
-    case T: lane_tile16(T, wp, wstride, gp, gstride, bp, xq + m * K, xs + m * blocks, xo + m * blocks, K, G, \
+    case T: lane_tile16(T, wp, gp, bp, xq + m * K, xs + m * blocks, xo + m * blocks, K, G, \
                         y + m * N + n, N, m == m0); break;
             switch (tm) { LANE_CASE(1) LANE_CASE(2) LANE_CASE(3) LANE_CASE(4) LANE_CASE(5) LANE_CASE(6) LANE_CASE(7)
                           default: LANE_CASE(8) }
@@ -452,7 +444,7 @@ INLINE void run_lanes(int TW, const int8_t *xq, const float *xs, const int32_t *
     for (long m = m0; m < m1; m += LANE_TILE_X) {
         long tm = m1 - m < LANE_TILE_X ? m1 - m : LANE_TILE_X;
 #define LANE_CASE(T) \
-    case T: lane_tile(TW, T, wp, wstride, gp, gstride, bp, xq + m * K, xs + m * blocks, xo + m * blocks, K, G, \
+    case T: lane_tile(TW, T, wp, gp, bp, xq + m * K, xs + m * blocks, xo + m * blocks, K, G, \
                       y + m * N + n, N, m == m0); break;
         switch (tm) { LANE_CASE(1) LANE_CASE(2) LANE_CASE(3) default: LANE_CASE(4) }
 #undef LANE_CASE
@@ -616,15 +608,17 @@ void anna_dequant(const void *w, const void *ws, int kind, long G, const long *r
                 const int8_t *p = (const int8_t *)w + first * K + k * lanes + r * 32;
                 float scale = G ? _cvtsh_ss(((const uint16_t *)ws)[n * groups + k / G]) : ((const float *)ws)[n];
                 for (int j = 0; j < 32; j++) run[j] = p[j] * scale;
-            } else if (in_block) {
-                const uint8_t *base = (const uint8_t *)w + first * (K / 2);
-                const uint16_t *gs = (const uint16_t *)ws + first * groups;
+            } else if (in_block) {  /* in a unit of 2 blocks (TW = 2), or the lone odd block */
+                long paired = N / (2 * LANE_ROWS) * (2 * LANE_ROWS), tw = n < paired ? 2 : 1;
+                long start = n - n % (tw * LANE_ROWS), t = (n - start) / LANE_ROWS;  /* its unit or block; which block */
+                const uint8_t *base = (const uint8_t *)w + start * (K / 2);
+                const uint16_t *gs = (const uint16_t *)ws + start * groups;
                 const __m128i low = _mm_set1_epi8(0x0F);
                 const __m128 eight = _mm_set1_ps(8.0f);
-                __m128 s = _mm_set1_ps(_cvtsh_ss(gs[(k / G) * LANE_ROWS + r]));
+                __m128 s = _mm_set1_ps(_cvtsh_ss(gs[((k / G) * tw + t) * LANE_ROWS + r]));
                 for (int l = 0; l < 4; l++) {  /* this row's 4 bytes of vector l: 4 + 4 weights */
                     int32_t word;
-                    __builtin_memcpy(&word, base + (k / 32) * 128 + l * 32 + 4 * r, 4);
+                    __builtin_memcpy(&word, base + (k / 32) * 4 * tw * LANE_BYTES + (l * tw + t) * LANE_BYTES + 4 * r, 4);
                     __m128i v = _mm_cvtsi32_si128(word);
                     __m128 lo = _mm_cvtepi32_ps(_mm_cvtepu8_epi32(_mm_and_si128(v, low)));
                     __m128 hi = _mm_cvtepi32_ps(_mm_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(v, 4), low)));
