@@ -74,13 +74,14 @@ INLINE __m256i add_dot_u8s8(__m256i acc, __m256i u, __m256i s) {
 #endif
 }
 
-/* A row's sums of a run start at -8 * sum(x) (see quantize_x_row): as two int16 halves (AVX2's
- * pairs), or as one int32 (VNNI's quads add all four positions). */
-INLINE __m256i run_start(int32_t xo) {
+/* -8 * sum(x) of a run as one int32, from xo as quantize_x_row stores it (where a row's sums of
+ * the run start): two int16 halves (AVX2's pairs), or one int32 (VNNI's quads add all four
+ * positions). */
+INLINE int32_t run_offset(int32_t xo) {
 #if ANNA_VNNI
-    return _mm256_set1_epi32((int32_t)(int16_t)(xo & 0xFFFF) + (int32_t)(int16_t)(xo >> 16));
+    return xo;
 #else
-    return _mm256_set1_epi32(xo);
+    return (int32_t)(int16_t)(xo & 0xFFFF) + (int32_t)(int16_t)(xo >> 16);
 #endif
 }
 
@@ -97,7 +98,9 @@ INLINE __m256i run_dot(__m256i acc) {
  * sums start: they take the stored nibbles q = w + 8 as they are, so a row's sum over a block
  * must start at -8 * sum(x). In the row-lanes kernel a row has two int16 sums, one taking the
  * block's x at positions 0, 1 (mod 4), the other at 2, 3; xo holds their two starts as int16
- * (low, high), so that it can be broadcast into the sums as it is.
+ * (low, high), so that it can be broadcast into the sums as it is. With VNNI a row has one int32
+ * sum per run, and xo holds its start (a broadcast from memory, where unpacking the halves cost
+ * vector instructions in every run of every row of x).
  * Rounds like lrintf(x / scale) (to nearest even), scale = max|x| / 127 per block of 32. */
 static void quantize_x_row(const float *x, int8_t *xq, float *xs, int32_t *xo, long K) {
     const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
@@ -126,7 +129,11 @@ static void quantize_x_row(const float *x, int8_t *xq, float *xs, int32_t *xo, l
         __m128i pair = _mm_hadd_epi32(s4, s4);  /* the two sums, at most 16 x 127 in size */
         pair = _mm_sub_epi32(_mm_setzero_si128(), _mm_slli_epi32(pair, 3));
         xs[b] = d;
+#if ANNA_VNNI
+        xo[b] = _mm_cvtsi128_si32(pair) + _mm_extract_epi32(pair, 1);
+#else
         xo[b] = _mm_cvtsi128_si32(_mm_packs_epi32(pair, pair));  /* low int16, high int16 */
+#endif
     }
 }
 
@@ -180,7 +187,7 @@ INLINE float row_dot(int kind, const void *w, const void *ws, long n, long K, lo
         __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(unpack_q4_unsigned(wr + b * 16), xv), _mm256_set1_epi16(1));
         float scale = xs[b] * _cvtsh_ss(gs[b >> gshift]);
         acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(scale), acc);
-        offset -= (float)((int16_t)(xo[b] & 0xFFFF) + (int16_t)(xo[b] >> 16)) * scale;  /* xo: -8 * sum(x) */
+        offset -= (float)run_offset(xo[b]) * scale;
     }
     return hsum(acc) - offset;
 }
@@ -241,7 +248,7 @@ INLINE void lane_tile(int TW, int TM, const uint8_t *w, const uint16_t *gs, cons
     for (long b = 0; b < blocks; b++) {
         __m256i acc[2][LANE_TILE_X];  /* sums of this run, starting at xo (see above) */
         for (int m = 0; m < TM; m++) {
-            __m256i start = run_start(xo[m * blocks + b]);
+            __m256i start = _mm256_set1_epi32(xo[m * blocks + b]);  /* as the sums hold it */
             for (int t = 0; t < TW; t++) acc[t][m] = start;
         }
         if (prefetch)
@@ -302,8 +309,7 @@ INLINE void lane_tile16(int TM, const uint8_t *w, const uint16_t *gs, const floa
     for (long b = 0; b < blocks; b++) {
         __m512i acc[LANE_TILE_X16];
         for (int m = 0; m < TM; m++)
-            acc[m] = _mm512_set1_epi32((int32_t)(int16_t)(xo[m * blocks + b] & 0xFFFF) +
-                                       (int32_t)(int16_t)(xo[m * blocks + b] >> 16));
+            acc[m] = _mm512_set1_epi32(xo[m * blocks + b]);
         if (prefetch)
             for (int off = 0; off < UNIT_RUN_BYTES; off += 64)
                 _mm_prefetch((const char *)(w + b * UNIT_RUN_BYTES + off) + PREFETCH_BYTES, _MM_HINT_T0);
@@ -381,8 +387,7 @@ INLINE void amx_tile16(int TM, const uint8_t *tiles, const uint16_t *gs, const f
         AMX_STORE(AMX_C, sums, 64);
         __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(gs + (b >> gshift) * 2 * LANE_ROWS)));
         for (int m = 0; m < TM; m++) {
-            int32_t start = (int32_t)(int16_t)(xo[m * blocks + b] & 0xFFFF) + (int32_t)(int16_t)(xo[m * blocks + b] >> 16);
-            __m512i acc = _mm512_add_epi32(_mm512_set1_epi32(start), _mm512_load_si512(sums[m]));
+            __m512i acc = _mm512_add_epi32(_mm512_set1_epi32(xo[m * blocks + b]), _mm512_load_si512(sums[m]));
             accf[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_mul_ps(scale, _mm512_set1_ps(xs[m * blocks + b])),
                                       accf[m]);
         }
