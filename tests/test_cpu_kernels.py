@@ -229,7 +229,8 @@ def test_add_rmsnorm_matches_torch(kernels, rows, dim, wdtype, with_delta):
     torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize("width", [151936, 1003])  # a real vocabulary; a tail past the last 8
+# a real vocabulary; tails past the last 32 and the last 8 values; one group of 32 and a tail; one group of 8
+@pytest.mark.parametrize("width", [151936, 1003, 37, 12])
 def test_argmax_matches_torch_ties_nan_and_inf(kernels, width):
     logits = torch.randn(7, width)
     logits[1, [5, width - 2]] = 50.0  # a tie: the first index wins
