@@ -21,8 +21,8 @@
  * wrap, so that end value is exact whatever the partial sums did, and is widened once per run.
  * Blocks go in pairs ("units" of 16 rows, the kernels' unit of work) whose vectors alternate: per
  * run, vector 0 of the first block, vector 0 of the second, then vector 1 of each, and so on, so
- * that a unit is one contiguous stream in the order the kernels read it (as two streams, one per
- * block, the M = 1 kernel drew 20-23 GB/s from memory against 27-28 as one, on a 2-core Zen 4).
+ * that a unit is one contiguous stream in the order the kernels read it (read as two streams, one
+ * per block, a 2-core Zen 4's int4 batch-1 decode ran 1.3-1.5x slower: benchmarks/decode_bench.py).
  * Group scales likewise: per unit and group, the first block's 8 scales, then the second's. A last
  * odd block of 8 rows stands alone (its 4 vectors in order, scales [K / G][8]). The last N % 8
  * rows are row-major: each run of 32 weights is 16 bytes, byte i holding weight i (low nibble) and
