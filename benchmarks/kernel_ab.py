@@ -10,9 +10,10 @@ build. Each shape has enough copies of its weight that they stream from memory, 
 step (the lm_head, 0.27 GB in bf16, is its own). Prints, per shape and M, the median time per
 matmul of each build, the rate, and base / this tree (above 1: the working tree is faster), and
 checks that both builds give the same result to 1e-5 of its largest value. Both revisions must call
-the kernels with the same arguments (anna_gemv's and anna_qgemm's C signatures); bf16 weights run
-in fp32 arithmetic with the built-in routing bounds unless --bf16-pair-max-rows or
---bf16-dot-min-rows (vdpbf16ps from that M on) says otherwise.
+the kernels with the same arguments (anna_gemv's and anna_qgemm's C signatures) and read the
+weights in this tree's layout (int4: revisions from f33805f on, where a unit's two blocks
+alternate); bf16 weights run in fp32 arithmetic with the built-in routing bounds unless
+--bf16-pair-max-rows or --bf16-dot-min-rows (vdpbf16ps from that M on) says otherwise.
 """
 
 from __future__ import annotations
