@@ -62,13 +62,13 @@ def int4_row_lanes(qweight: torch.Tensor) -> torch.Tensor:
 def pair_blocks(blocked: torch.Tensor, chunk: int) -> torch.Tensor:
     """Rows in blocks of LANE_ROWS, each block's values in chunks of ``chunk`` -> pairs of blocks
     whose chunks alternate (the first block's chunk 0, the second's, then chunk 1 of each, ...), as
-    quant_kernels.c reads a unit of 16 rows; an odd last block and the N % 8 rows after it stay."""
+    quant_kernels.c reads a unit of 16 rows; an odd last block and the N % 8 rows after it stay.
+    In place (the callers hand it a layout they just built), returned."""
     n, c = blocked.shape
     full = n - n % LANE_ROWS
     per_block = blocked[:full].reshape(full // LANE_ROWS, LANE_ROWS * c)
-    out = blocked.clone()
-    out[:full] = interleave_rows(per_block, chunk, 2).view(full, c)
-    return out
+    blocked[:full] = interleave_rows(per_block, chunk, 2).view(full, c)
+    return blocked
 
 
 def quantized_for_cpu_kernel(kind: int, qweight: torch.Tensor,

@@ -606,6 +606,15 @@ void anna_dequant(const void *w, const void *ws, int kind, long G, const long *r
         long n = rows ? rows[i] : i;
         int in_block = n < packed;
         long r = in_block ? n % block_rows : 0, first = in_block ? n - r : n;  /* the block's first row */
+        /* int4: the row's unit of 2 blocks (tw = 2, block t of it) or the lone odd block (tw = 1) */
+        long tw = 1, start = first, t = 0;
+        if (kind == 1 && in_block && n < N / (2 * LANE_ROWS) * (2 * LANE_ROWS)) {
+            tw = 2;
+            start = n - n % (2 * LANE_ROWS);
+            t = (n - start) / LANE_ROWS;
+        }
+        const uint8_t *base = (const uint8_t *)w + start * (K / 2);
+        const uint16_t *gs = (const uint16_t *)ws + start * groups;
         for (long k = 0; k < K; k += 32) {
             float run[32];
             if (kind == 0) {
@@ -613,11 +622,7 @@ void anna_dequant(const void *w, const void *ws, int kind, long G, const long *r
                 const int8_t *p = (const int8_t *)w + first * K + k * lanes + r * 32;
                 float scale = G ? _cvtsh_ss(((const uint16_t *)ws)[n * groups + k / G]) : ((const float *)ws)[n];
                 for (int j = 0; j < 32; j++) run[j] = p[j] * scale;
-            } else if (in_block) {  /* in a unit of 2 blocks (TW = 2), or the lone odd block */
-                long paired = N / (2 * LANE_ROWS) * (2 * LANE_ROWS), tw = n < paired ? 2 : 1;
-                long start = n - n % (tw * LANE_ROWS), t = (n - start) / LANE_ROWS;  /* its unit or block; which block */
-                const uint8_t *base = (const uint8_t *)w + start * (K / 2);
-                const uint16_t *gs = (const uint16_t *)ws + start * groups;
+            } else if (in_block) {
                 const __m128i low = _mm_set1_epi8(0x0F);
                 const __m128 eight = _mm_set1_ps(8.0f);
                 __m128 s = _mm_set1_ps(_cvtsh_ss(gs[((k / G) * tw + t) * LANE_ROWS + r]));
