@@ -296,13 +296,17 @@ static uint16_t *x_to_bf16(const float *x, long M, long K) {
  * 32 weights of a run as fp32, where load8 takes 4 loads and 8 operations (run_blocks converted
  * each block to fp32 in memory instead, and read it back once per 3 rows of x). x is reordered to
  * match (pair_x): each run of 8 columns as [x0 x2 x4 x6 | x1 x3 x5 x7], each half broadcast to
- * both 128-bit halves. Accumulators hold two rows each, so PAIR_X_ROWS rows of x share each
- * weight vector with 2 x PAIR_X_ROWS accumulators, 4 weight and 2 x registers.
- * Each group of PAIR_X_ROWS rows widens the weights again, where run_blocks converts a block once for
+ * both 128-bit halves. Accumulators hold two rows each, so up to PAIR_X_ROWS rows of x share each
+ * weight vector with 2 accumulators per row. A run's even columns go first, then its odd ones, so
+ * that 2 weight registers, 1 of x and the mask leave 12 of the 16 for accumulators: 5 rows of x
+ * (6 spilled, at 0.54-0.78x the speed of 4 rows; 5 against 4: 1.13-1.23x at M = 5, 1.06-1.09x at
+ * M = 9-13 on a Zen 3; benchmarks/kernel_ab.py). The m loops are unrolled by pragma: left to
+ * itself gcc kept a copy of every accumulator on the stack, stored in every run.
+ * Each group of rows of x widens the weights again, where run_blocks converts a block once for
  * all rows of x: from some M on that costs more than it saves. Where depends on the core (a Zen 1,
  * whose FMA and vector integer units are 128 bits wide, lost from M = 32; an AVX2-only Zen 4 gained
  * up to M = 64), so the caller passes the largest M (bf16_pair_max_rows, a calibrated setting). */
-#define PAIR_X_ROWS 4
+#define PAIR_X_ROWS 5
 /* Fewer rows of x stream the weights from memory, where load8's blocks were as fast (0.93-1.02x
  * for block_pairs at 1-3 rows; 1.08-1.65x at 4) */
 #define PAIR_MIN_ROWS 4
@@ -315,20 +319,22 @@ static uint16_t *x_to_bf16(const float *x, long M, long K) {
         /* with 1 or 2 rows of x, registers are left for the odd columns' own sums (odd01, odd23):    \
          * chains of 1 FMA per run, not 2, which one row of x waits on at memory speed */              \
         __m256 acc01[MM], acc23[MM], odd01[MM], odd23[MM];                                                  \
-        for (int m = 0; m < MM; m++) acc01[m] = acc23[m] = odd01[m] = odd23[m] = _mm256_setzero_ps();       \
+        _Pragma("GCC unroll 8") for (int m = 0; m < MM; m++) acc01[m] = acc23[m] = odd01[m] = odd23[m] = _mm256_setzero_ps();       \
         for (long k = 0; k < K; k += 8) {                                                                    \
             const uint16_t *p = blk + k * PACK_ROWS;                                                         \
             if (prefetch) _mm_prefetch((const char *)p + PREFETCH_BYTES, _MM_HINT_T0);                       \
             __m256i v01 = _mm256_loadu_si256((const __m256i *)p), v23 = _mm256_loadu_si256((const __m256i *)(p + 16)); \
             __m256 e01 = _mm256_castsi256_ps(_mm256_slli_epi32(v01, 16));                                    \
-            __m256 o01 = _mm256_castsi256_ps(_mm256_and_si256(v01, odd));                                    \
             __m256 e23 = _mm256_castsi256_ps(_mm256_slli_epi32(v23, 16));                                    \
-            __m256 o23 = _mm256_castsi256_ps(_mm256_and_si256(v23, odd));                                    \
-            for (int m = 0; m < MM; m++) {                                                                   \
+            _Pragma("GCC unroll 8") for (int m = 0; m < MM; m++) {                                           \
                 __m256 xe = _mm256_broadcast_ps((const __m128 *)(xp + m * K + k));                           \
-                __m256 xo = _mm256_broadcast_ps((const __m128 *)(xp + m * K + k + 4));                       \
                 acc01[m] = _mm256_fmadd_ps(e01, xe, acc01[m]);                                               \
                 acc23[m] = _mm256_fmadd_ps(e23, xe, acc23[m]);                                               \
+            }                                                                                                \
+            __m256 o01 = _mm256_castsi256_ps(_mm256_and_si256(v01, odd));                                    \
+            __m256 o23 = _mm256_castsi256_ps(_mm256_and_si256(v23, odd));                                    \
+            _Pragma("GCC unroll 8") for (int m = 0; m < MM; m++) {                                           \
+                __m256 xo = _mm256_broadcast_ps((const __m128 *)(xp + m * K + k + 4));                       \
                 if (MM <= 2) {                                                                               \
                     odd01[m] = _mm256_fmadd_ps(o01, xo, odd01[m]);                                           \
                     odd23[m] = _mm256_fmadd_ps(o23, xo, odd23[m]);                                           \
@@ -338,7 +344,7 @@ static uint16_t *x_to_bf16(const float *x, long M, long K) {
                 }                                                                                            \
             }                                                                                                \
         }                                                                                                    \
-        for (int m = 0; m < MM; m++) {                                                                       \
+        _Pragma("GCC unroll 8") for (int m = 0; m < MM; m++) {                                               \
             if (MM <= 2) {                                                                                   \
                 acc01[m] = _mm256_add_ps(acc01[m], odd01[m]);                                                \
                 acc23[m] = _mm256_add_ps(acc23[m], odd23[m]);                                                \
@@ -355,6 +361,7 @@ DEFINE_BLOCK_PAIRS(1)
 DEFINE_BLOCK_PAIRS(2)
 DEFINE_BLOCK_PAIRS(3)
 DEFINE_BLOCK_PAIRS(4)
+DEFINE_BLOCK_PAIRS(5)
 
 /* Rows [m0, m1) of x [., K] reordered for block_pairs into xp (same shape). */
 static void pair_x(const float *x, float *xp, long m0, long m1, long K) {
@@ -372,19 +379,26 @@ static void run_blocks_pairs(const float *xp, const uint16_t *w, const float *bi
                              long b, long e, long K) {
     long chunk = PAIR_CHUNK_BYTES / (PACK_ROWS * K * 2) * PACK_ROWS;
     if (chunk < PACK_ROWS) chunk = PACK_ROWS;
+    /* Groups of 4 or 5 rows of x where M splits so (every M but 6, 7 and 11; 16 as 4 x 4, not 5, 5,
+     * 5, 1), else of 4 and a last smaller group (6 as 4 + 2: 3 + 3 ran 0.85-0.91x) */
+    int groups = (M + PAIR_X_ROWS - 1) / PAIR_X_ROWS, even = M <= PAIR_X_ROWS || M / groups >= PAIR_X_ROWS - 1;
+    if (!even) groups = (M + PAIR_X_ROWS - 2) / (PAIR_X_ROWS - 1);
     for (long c = b; c < e; c += chunk) {
         long ce = c + chunk < e ? c + chunk : e;
-        for (int m = 0; m < M; m += PAIR_X_ROWS) {
+        for (int g = 0, m = 0; g < groups; g++) {
+            int rows = even ? (M - m) / (groups - g) : (M - m < PAIR_X_ROWS - 1 ? M - m : PAIR_X_ROWS - 1);
             const float *xm = xp + (long)m * K;
             float *ym = y + (long)m * N;
             int p = m == 0;
+            m += rows;
             for (long n = c; n < ce; n += PACK_ROWS) {
                 const uint16_t *blk = w + n * K;
-                switch (M - m < PAIR_X_ROWS ? M - m : PAIR_X_ROWS) {
+                switch (rows) {
                 case 1: block_pairs_1(xm, blk, bias, ym, N, n, K, p); break;
                 case 2: block_pairs_2(xm, blk, bias, ym, N, n, K, p); break;
                 case 3: block_pairs_3(xm, blk, bias, ym, N, n, K, p); break;
-                default: block_pairs_4(xm, blk, bias, ym, N, n, K, p); break;
+                case 4: block_pairs_4(xm, blk, bias, ym, N, n, K, p); break;
+                default: block_pairs_5(xm, blk, bias, ym, N, n, K, p); break;
                 }
             }
         }
