@@ -299,7 +299,7 @@ static uint16_t *x_to_bf16(const float *x, long M, long K) {
  * both 128-bit halves. Accumulators hold two rows each, so up to PAIR_X_ROWS rows of x share each
  * weight vector with 2 accumulators per row. A run's even columns go first, then its odd ones, so
  * that 2 weight registers, 1 of x and the mask leave 12 of the 16 for accumulators: 5 rows of x
- * (6 spilled, at 0.54-0.78x the speed of 4 rows; 5 against 4: 1.13-1.23x at M = 5, 1.06-1.09x at
+ * (6 spilled, at 0.54-0.78x the speed of 4 rows; 5 against 4: 1.11-1.24x at M = 5, 1.03-1.13x at
  * M = 9-13 on a Zen 3; benchmarks/kernel_ab.py). The m loops are unrolled by pragma: left to
  * itself gcc kept a copy of every accumulator on the stack, stored in every run.
  * Each group of rows of x widens the weights again, where run_blocks converts a block once for
@@ -319,7 +319,8 @@ static uint16_t *x_to_bf16(const float *x, long M, long K) {
         /* with 1 or 2 rows of x, registers are left for the odd columns' own sums (odd01, odd23):    \
          * chains of 1 FMA per run, not 2, which one row of x waits on at memory speed */              \
         __m256 acc01[MM], acc23[MM], odd01[MM], odd23[MM];                                                  \
-        _Pragma("GCC unroll 8") for (int m = 0; m < MM; m++) acc01[m] = acc23[m] = odd01[m] = odd23[m] = _mm256_setzero_ps();       \
+        _Pragma("GCC unroll 8") for (int m = 0; m < MM; m++)                                                 \
+            acc01[m] = acc23[m] = odd01[m] = odd23[m] = _mm256_setzero_ps();                                 \
         for (long k = 0; k < K; k += 8) {                                                                    \
             const uint16_t *p = blk + k * PACK_ROWS;                                                         \
             if (prefetch) _mm_prefetch((const char *)p + PREFETCH_BYTES, _MM_HINT_T0);                       \
