@@ -13,6 +13,7 @@
 
 #include "bf16.h"
 #include "vec_math.h"
+#include "weight_types.h"
 #include "work_split.h"
 
 /* Weight layout ("interleaved rows"): the kernels read W as blocks of PACK_ROWS consecutive rows; in a
@@ -23,29 +24,6 @@
  * Python packs a weight once, after loading (linear.py: interleave_rows). K must be a multiple of 8. */
 #define PACK_ROWS 4
 #define PREFETCH_BYTES 1024  /* how far ahead of the current weight line to prefetch */
-
-INLINE __m256 load8(const void *w, int wtype, long i) {
-    if (wtype == 0) {
-        __m128i v = _mm_loadu_si128((const __m128i *)((const uint16_t *)w + i));
-        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
-    } else if (wtype == 1) {
-        return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)w + i)));
-    }
-    return _mm256_loadu_ps((const float *)w + i);
-}
-
-INLINE float load1(const void *w, int wtype, long i) {
-    if (wtype == 0) {
-        uint32_t bits = ((uint32_t)((const uint16_t *)w)[i]) << 16;
-        float f;
-        __builtin_memcpy(&f, &bits, 4);
-        return f;
-    } else if (wtype == 1) {
-        return _cvtsh_ss(((const uint16_t *)w)[i]);
-    }
-    return ((const float *)w)[i];
-}
-
 
 /* One block (4 rows of W, in type st, starting at blk) against MM rows of x (K apart):
  * y[m * N + n + r] for r < 4, m < MM. 4 x MM accumulators stay in registers; `prefetch` asks for
