@@ -422,6 +422,32 @@ def test_int4_prefill_on_emulated_amx_tiles_stays_with_transformers(hf_models, c
     assert ((logits - fake).norm() / fake.norm()).item() < 0.02
 
 
+def _assert_prefill_runs_on(llm, kernels, matmul: str, gated_act: str, hf, prompt: list[int]) -> None:
+    """The prompt's prefill (logits of every position) runs its attention projections, down
+    projections and lm_head on ``kernels.<matmul>`` and each gated MLP's first matmul on
+    ``kernels.<gated_act>``, all with every prompt row, and its logits are no farther from the exact
+    result (transformers in fp32 on the bf16 weights of ``hf``) than transformers' own bf16 run is,
+    with the same top tokens as often."""
+    from helpers import hf_logits, run_logits
+
+    calls: list[tuple[str, int]] = []
+    for name in (matmul, gated_act):
+        kernel = getattr(kernels, name)
+        setattr(kernels, name, lambda x, *a, kernel=kernel, name=name, **kw: calls.append((name, x.shape[0])) or kernel(x, *a, **kw))
+    try:
+        logits = run_logits(llm.llm_engine, prompt, 0)[0][: len(prompt)].float()
+    finally:
+        for name in (matmul, gated_act):
+            delattr(kernels, name)
+    layers, rows = hf.config.num_hidden_layers, len(prompt)
+    assert calls.count((matmul, rows)) == 3 * layers + 1 and calls.count((gated_act, rows)) == layers, calls
+    hf_bf16 = hf_logits(hf, prompt)[:rows]
+    exact = hf_logits(hf.float(), prompt)[:rows]  # (.float() converts hf in place: last)
+    err, hf_err = ((t - exact).abs().max().item() for t in (logits, hf_bf16))
+    agree, hf_agree = ((t.argmax(-1) == exact.argmax(-1)).float().mean().item() for t in (logits, hf_bf16))
+    assert err <= 1.1 * hf_err + 1e-3 and agree >= hf_agree - 0.02, (err, hf_err, agree, hf_agree)
+
+
 def test_bf16_prefill_on_amx_tiles_stays_with_transformers(hf_models, cache_dir, tmp_path):
     """A bf16 checkpoint's 200-token prefill at the amx level (the native build on an AMX CPU, the
     one whose tile instructions are emulated in C elsewhere): the attention projections and the
@@ -430,7 +456,6 @@ def test_bf16_prefill_on_amx_tiles_stays_with_transformers(hf_models, cache_dir,
     result (transformers in fp32 on the bf16 weights) than transformers' own bf16 run is."""
     from anna import LLM
     from conftest import VOCAB, amx_kernels, save_hf_model
-    from helpers import hf_logits, run_logits
 
     here = detect_isa()
     amx = amx_kernels("native" if here.has("amx") else "emulated", cache_dir)
@@ -444,22 +469,27 @@ def test_bf16_prefill_on_amx_tiles_stays_with_transformers(hf_models, cache_dir,
     ops.kernels = amx
     ops.routing = dataclasses.replace(ops.routing, bf16_matmul=True, sdpa_min_tokens=0)
     ops.attention_dtype = torch.bfloat16
-    calls: list[tuple[str, int]] = []
-    for name in ("tile_matmul", "tile_gated_act"):
-        kernel = getattr(amx, name)
-        setattr(amx, name, lambda x, *a, kernel=kernel, name=name, **kw: calls.append((name, x.shape[0])) or kernel(x, *a, **kw))
-    try:
-        logits = run_logits(llm.llm_engine, prompt, 0)[0][: len(prompt)].float()
-    finally:
-        del amx.tile_matmul, amx.tile_gated_act
-    layers = hf.config.num_hidden_layers
-    # qkv, o and down per layer, and the lm_head (logits of every position here)
-    assert calls.count(("tile_matmul", 200)) == 3 * layers + 1 and calls.count(("tile_gated_act", 200)) == layers
-    hf_bf16 = hf_logits(hf, prompt)[: len(prompt)]
-    exact = hf_logits(hf.float(), prompt)[: len(prompt)]  # (.float() converts hf in place: last)
-    err, hf_err = ((t - exact).abs().max().item() for t in (logits, hf_bf16))
-    agree, hf_agree = ((t.argmax(-1) == exact.argmax(-1)).float().mean().item() for t in (logits, hf_bf16))
-    assert err <= 1.1 * hf_err + 1e-3 and agree >= hf_agree - 0.02, (err, hf_err, agree, hf_agree)
+    _assert_prefill_runs_on(llm, amx, "tile_matmul", "tile_gated_act", hf, prompt)
+
+
+def test_bf16_prefill_on_avx2_panels_stays_with_transformers(hf_models, cache_dir, tmp_path):
+    """A bf16 checkpoint's 200-token prefill at the avx2 level (every x86 CPU Anna's kernels run on
+    has it): the attention projections, the down projection and the lm_head run on the
+    register-blocked GEMM, the gated MLP's first matmul with its activation on the fused one, all on
+    the weights as stored, and the logits are no farther from the exact result (transformers in fp32
+    on the bf16 weights) than transformers' own bf16 run is, with the same top tokens as often."""
+    from anna import LLM
+    from conftest import VOCAB, save_hf_model
+
+    hf = copy.deepcopy(hf_models["qwen2"][0]).to(torch.bfloat16)
+    path = save_hf_model(hf, tmp_path / "qwen2")
+    torch.manual_seed(0)
+    prompt = torch.randint(3, VOCAB, (200,)).tolist()
+    llm = LLM(str(path), dtype="bfloat16", device="cpu", cache_dir=str(cache_dir), max_model_len=512,
+              num_gpu_blocks_override=64, cpu_isa="avx2")
+    kernels = llm.llm_engine.runner.model.norm.ops.kernels
+    assert kernels.level == "avx2"
+    _assert_prefill_runs_on(llm, kernels, "panel_matmul", "panel_gated_act", hf, prompt)
 
 
 def test_the_amx_level_asks_linux_for_the_tiles_and_falls_back_when_refused(cache_dir, caplog):

@@ -447,6 +447,64 @@ def test_amx_tile_gated_activation_is_silu_gate_times_up(cache_dir, build):
             torch.testing.assert_close(got.double(), want, rtol=2 ** -8, atol=1e-5, msg=lambda e: f"{(m, n, k)}: {e}")
 
 
+# (M, N, K) for the avx2 level's register-blocked GEMM: M from one row to several blocks of x
+# rows (192 KB: 48 rows at K = 896) with a short last microkernel (M % 6); N with a last panel of
+# fewer than 8 or than 16 rows, and a row-major tail past the last block of 4 (N = 45, 67); panels split
+# between the threads, or (few panels) the rows; more panels than one packed group (2 MB: 36 at
+# K = 896); K in chunks (over 2,048 columns: 4,104 as 3 x 1,368).
+PANEL_CASES = [(1, 16, 8), (5, 20, 16), (6, 32, 64), (7, 45, 136), (13, 28, 64), (100, 67, 200), (130, 96, 896),
+               (257, 1152, 896), (33, 2400, 896), (300, 16, 64), (40, 48, 4104)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_panel_matmul_is_the_fp32_matmul_of_the_stored_weights(cache_dir, dtype):
+    """The avx2 level's large-M matmul (csrc/panel_matmul.c), reading the interleaved weight as
+    stored: x W^T plus the bias equals the float64 product of the same values within fp32
+    summation error, at every shape of PANEL_CASES."""
+    from conftest import kernels_at_level
+
+    kernels = kernels_at_level("avx2", cache_dir)
+    g = torch.Generator().manual_seed(21)
+    for m, n, k in PANEL_CASES:
+        w = (torch.randn(n, k, generator=g) / k ** 0.5).to(dtype)
+        bias = torch.randn(n, generator=g)
+        x = torch.randn(m, k, generator=g)
+        packed = interleave_rows(w)
+        assert kernels.panel_matmul_fits(packed)
+        exact = F.linear(x.double(), w.double())
+        scale = F.linear(x.double().abs(), w.double().abs()).max().item()
+        for b in (bias, None):
+            got = kernels.panel_matmul(x, packed, b)
+            want = exact if b is None else exact + b.double()
+            assert got.dtype == torch.float32 and got.shape == (m, n)
+            assert (got.double() - want).abs().max().item() <= 1e-5 * scale, (m, n, k)
+
+
+def test_panel_gated_activation_is_silu_gate_times_up(cache_dir):
+    """The gated MLP's first matmul on the avx2 level's GEMM with its activation in the same kernel:
+    [gate | up] = x W^T + b from the interleaved [2I, K] weight, silu(gate) * up against float64;
+    I = 12 leaves the last panel half empty; a K past one chunk, or halves that split a block of 4
+    rows, do not fit."""
+    from conftest import kernels_at_level
+
+    kernels = kernels_at_level("avx2", cache_dir)
+    g = torch.Generator().manual_seed(22)
+    for m, n, k in [(1, 16, 8), (7, 24, 64), (33, 96, 896), (130, 64, 2048), (257, 9728 // 8, 896)]:
+        w = (torch.randn(n, k, generator=g) / k ** 0.5).to(torch.bfloat16)
+        bias = torch.randn(n, generator=g) / 4
+        x = torch.randn(m, k, generator=g)
+        assert kernels.panel_matmul_fits(interleave_rows(w), gated=True)
+        for b in (bias, None):
+            h = F.linear(x.double(), w.double(), None if b is None else b.double())
+            gate, up = h.chunk(2, dim=-1)
+            got = kernels.panel_gated_act(x, interleave_rows(w), b)
+            assert got.dtype == torch.float32 and got.shape == (m, n // 2)
+            torch.testing.assert_close(got.double(), F.silu(gate) * up, rtol=1e-5, atol=1e-5,
+                                       msg=lambda e: f"{(m, n, k)}: {e}")
+    for n, k in ((64, 2056), (20, 64)):
+        assert not kernels.panel_matmul_fits(torch.zeros(n, k, dtype=torch.bfloat16), gated=True), (n, k)
+
+
 def test_bf16_prefill_attention_runs_fp32_where_it_cannot_run_bf16(kernels):
     """The avx2 build, and a head size that is not a multiple of 16, run the fp32 kernel for bf16=True."""
     if kernels.level != "avx2":

@@ -150,6 +150,11 @@ class CpuKernels:
                    lib.anna_paged_decode_attention, lib.anna_qgemm, lib.anna_qgemm_experts, lib.anna_dequant,
                    lib.anna_decode_layers, lib.anna_argmax_rows, lib.anna_kv_write, lib.anna_causal_attention):
             fn.restype = None
+        if level == "avx2":  # csrc/panel_matmul.c: only the avx2 level's build has these
+            lib.anna_panel_matmul.argtypes = [p, p, i, p, p, l, l, l, i]
+            lib.anna_panel_gated_act.argtypes = [p, p, i, p, p, l, l, l, i]
+            lib.anna_panel_matmul.restype = lib.anna_panel_gated_act.restype = None
+            self.panel_kc_max = lib.anna_panel_kc_max()
         if level == "amx":  # csrc/tile_matmul.c: only the amx level's build has these
             lib.anna_tile_matmul.argtypes = [p, i, p, p, p, i, l, l, l, i]
             lib.anna_tile_gated_act.argtypes = [p, i, p, p, p, l, l, l, i]
@@ -410,6 +415,36 @@ class CpuKernels:
             out = torch.empty(x2.shape[0], i, dtype=torch.bfloat16)
         self.lib.anna_tile_gated_act(x2.data_ptr(), int(x2.dtype == torch.float32), weight.data_ptr(), _ptr(b),
                                      out.data_ptr(), x2.shape[0], i, x2.shape[1], torch.get_num_threads())
+        return out
+
+    def panel_matmul_fits(self, weight: torch.Tensor, gated: bool = False) -> bool:
+        """Whether a large-M matmul of this weight (in interleave_rows' layout) runs on the avx2
+        level's register-blocked GEMM (csrc/panel_matmul.c): any float weight the kernels take;
+        ``gated``: a gated MLP's [gate | up] weight, whose halves are whole blocks of 4 rows and
+        whose K is one chunk."""
+        n, k = weight.shape
+        return (self.level == "avx2" and self.supports_weight(weight)
+                and (not gated or (n % 8 == 0 and k <= self.panel_kc_max)))
+
+    def panel_matmul(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x W^T (+ b) in fp32 for a weight that ``panel_matmul_fits``: the weight's values widened
+        to fp32, fp32 products and sums, as torch's fp32 GEMM of the same values."""
+        x2, b, n = x.reshape(-1, x.shape[-1]).float().contiguous(), _fp32(bias), weight.shape[0]
+        y = torch.empty(x2.shape[0], n, dtype=torch.float32)
+        self.lib.anna_panel_matmul(x2.data_ptr(), weight.data_ptr(), WEIGHT_TYPES[weight.dtype], _ptr(b), y.data_ptr(),
+                                   x2.shape[0], n, x2.shape[1], torch.get_num_threads())
+        return y.view(*x.shape[:-1], n)
+
+    def panel_gated_act(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                        out: torch.Tensor | None = None) -> torch.Tensor:
+        """silu(gate) * up of a gated MLP, [gate | up] = x W^T (+ b) (W the [2I, K] gate_up weight,
+        which ``panel_matmul_fits(gated=True)``), into ``out`` (fp32 [rows, I]) or a new tensor: the
+        gate and up rows never leave the kernel."""
+        x2, b, i = x.reshape(-1, x.shape[-1]).float().contiguous(), _fp32(bias), weight.shape[0] // 2
+        if out is None:
+            out = torch.empty(x2.shape[0], i, dtype=torch.float32)
+        self.lib.anna_panel_gated_act(x2.data_ptr(), weight.data_ptr(), WEIGHT_TYPES[weight.dtype], _ptr(b),
+                                      out.data_ptr(), x2.shape[0], i, x2.shape[1], torch.get_num_threads())
         return out
 
     @staticmethod

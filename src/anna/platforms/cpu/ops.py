@@ -153,17 +153,26 @@ class CpuKernelOps(CpuTorchOps):
         return not self.serves_stored(layer, rows) and super().runs_bf16(layer, rows)
 
     def _gated_mlp_rows(self, mlp: Any, x: torch.Tensor) -> torch.Tensor:
-        """Where both matmuls run on tiles, the first with the activation in its kernel: silu(gate)
-        * up leaves it in bf16, the down projection's input, and the gate and up rows stay in cache."""
+        """Where both matmuls run on tiles or panels, the first with the activation in its kernel:
+        silu(gate) * up leaves it as the down projection's input (bf16 for the tiles, fp32 for the
+        panels), and the gate and up rows stay in cache."""
         gate_up, down = mlp.gate_up_proj, mlp.down_proj
         rows = x.numel() // x.shape[-1]
-        if not (self.on_tiles(gate_up, rows) and self.on_tiles(down, rows)):
+        if self.on_tiles(gate_up, rows) and self.on_tiles(down, rows):
+            with self.region(gate_up.profile_name or "matmul:anna_tiles"):
+                act = self.kernels.tile_gated_act(x, gate_up.weight, gate_up.bias,
+                                                  out=self.scratch.take("act", rows, down.in_features, torch.bfloat16))
+            with self.region(down.profile_name or "matmul:anna_tiles"):
+                out = self.kernels.tile_matmul(act, down.weight, down.bias, out_dtype=x.dtype)
+        elif (self.on_panels(gate_up, rows) and self.on_panels(down, rows)
+              and self.kernels.panel_matmul_fits(gate_up.weight, gated=True)):
+            with self.region(gate_up.profile_name or "matmul:anna_panels"):
+                act = self.kernels.panel_gated_act(x, gate_up.weight, gate_up.bias,
+                                                   out=self.scratch.take("act", rows, down.in_features, torch.float32))
+            with self.region(down.profile_name or "matmul:anna_panels"):
+                out = self.kernels.panel_matmul(act, down.weight, down.bias).to(x.dtype)
+        else:
             return super()._gated_mlp_rows(mlp, x)
-        with self.region(gate_up.profile_name or "matmul:anna_tiles"):
-            act = self.kernels.tile_gated_act(x, gate_up.weight, gate_up.bias,
-                                              out=self.scratch.take("act", rows, down.in_features, torch.bfloat16))
-        with self.region(down.profile_name or "matmul:anna_tiles"):
-            out = self.kernels.tile_matmul(act, down.weight, down.bias, out_dtype=x.dtype)
         return out.view(*x.shape[:-1], down.out_features)
 
     def bf16_weight(self, layer: Any) -> torch.Tensor:
@@ -185,6 +194,13 @@ class CpuKernelOps(CpuTorchOps):
         return (not isinstance(layer, QuantLinear) and layer.interleaved and self.runs_bf16(layer, rows)
                 and self.kernels.tile_matmul_fits(layer.weight))
 
+    def on_panels(self, layer: Any, rows: int) -> bool:
+        """Whether a matmul of ``rows`` rows runs on Anna's register-blocked GEMM for CPUs without
+        bf16 arithmetic, which reads the weight as stored (csrc/panel_matmul.c), where it would
+        otherwise be torch's fp32 GEMM on an fp32 row-major copy of the weight."""
+        return (not self.routing.bf16_matmul and not isinstance(layer, QuantLinear) and layer.interleaved
+                and not self.serves_stored(layer, rows) and self.kernels.panel_matmul_fits(layer.weight))
+
     def linear(self, layer: Any, x: torch.Tensor) -> torch.Tensor:
         w = layer.weight
         rows = x.numel() // x.shape[-1]
@@ -195,6 +211,9 @@ class CpuKernelOps(CpuTorchOps):
         if self.on_tiles(layer, rows):
             with self.region(layer.profile_name or "matmul:anna_tiles"):
                 return self.kernels.tile_matmul(x, w, layer.bias, out_dtype=x.dtype)
+        if self.on_panels(layer, rows):
+            with self.region(layer.profile_name or "matmul:anna_panels"):
+                return self.kernels.panel_matmul(x, w, layer.bias).to(x.dtype)
         if self.runs_bf16(layer, rows):
             return _with_bias(_bf16_matmul(self, layer, x).to(x.dtype), layer)
         if layer.interleaved:  # a large M: torch's fp32 GEMM on a row-major copy converted in C
