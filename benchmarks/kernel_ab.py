@@ -3,6 +3,7 @@ against the working tree's, on the matmuls of a Qwen2.5-0.5B layer and its lm_he
 
     python benchmarks/kernel_ab.py --base HEAD~1 --ms 1,4,16,64
     python benchmarks/kernel_ab.py --base HEAD~1 --quantization int4 --ms 1,16
+    python benchmarks/kernel_ab.py --base HEAD~1 --large-m --ms 128,512 --rounds 3
 
 This VM class's speed wanders by a third between runs, so two builds are only compared within one
 process, round by round, in alternating order: each round times every weight copy once with each
@@ -14,6 +15,8 @@ the kernels with the same arguments (anna_gemv's and anna_qgemm's C signatures) 
 weights in this tree's layout (int4: revisions from f33805f on, where a unit's two blocks
 alternate); bf16 weights run in fp32 arithmetic with the built-in routing bounds unless
 --bf16-pair-max-rows or --bf16-dot-min-rows (vdpbf16ps from that M on) says otherwise.
+--large-m times the avx2 level's large-M GEMM (csrc/panel_matmul.c, a prefill's matmuls past
+cpu_gemv_max_rows) on the bf16 weights instead; both revisions must have it.
 """
 
 from __future__ import annotations
@@ -62,6 +65,8 @@ def main() -> None:
     ap.add_argument("--bf16-dot-min-rows", type=int, default=0,
                     help="bf16 weights on vdpbf16ps from this M on, where the CPU has AVX512-BF16 "
                          "(cpu_bf16_dot_min_rows); 0: never")
+    ap.add_argument("--large-m", action="store_true",
+                    help="the avx2 level's large-M GEMM (anna_panel_matmul) instead of the weight-streaming kernel")
     ap.add_argument("--cache-dir", default="~/.cache/anna")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
@@ -70,6 +75,8 @@ def main() -> None:
     level = kernel_build_level(isa)
     if level is None:
         raise SystemExit(f"no kernel level on {isa.model_name}")
+    if args.large_m and (level != "avx2" or args.quantization != "none"):
+        raise SystemExit("--large-m: the avx2 level's GEMM of bf16 weights (--cpu-isa avx2, no --quantization)")
     with tempfile.TemporaryDirectory() as tmp:
         base = load_kernels(args.cache_dir, "", level, LEVEL_CFLAGS[level], name=f"{level}_base",
                             source_dir=base_sources(args.base, Path(tmp)))
@@ -86,12 +93,14 @@ def main() -> None:
     def run(kernels, x, w):
         if args.quantization == "int4":
             return kernels.qgemm(x, w[0], w[1], 1, args.int4_group_size, None)
+        if args.large_m:
+            return kernels.panel_matmul(x, w, None)
         return kernels.gemv(x, w, None, args.bf16_dot_min_rows, args.bf16_pair_max_rows)
 
     bytes_per_weight = 0.5 if args.quantization == "int4" else 2
     results = {"cpu": isa.model_name, "level": level, "threads": torch.get_num_threads(), "torch": torch.__version__,
                "machine": platform.machine(), "base": args.base, "quantization": args.quantization,
-               "bf16_dot_min_rows": args.bf16_dot_min_rows, "rows": []}
+               "bf16_dot_min_rows": args.bf16_dot_min_rows, "large_m": args.large_m, "rows": []}
     print(f"{isa.model_name}, kernel level {level}, {torch.get_num_threads()} threads; base {args.base}")
     torch.manual_seed(0)
     for name in args.shapes.split(","):
