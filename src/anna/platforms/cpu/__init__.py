@@ -197,9 +197,11 @@ class CpuPlatform(Platform):
         ops = CpuTorchOps(quant, routing, profiler) if kernels is None else CpuKernelOps(kernels, quant, routing, profiler)
         if routing.bf16_matmul:
             ops.attention_dtype = torch.bfloat16
+        panels = kernels is not None and kernels.level == "avx2" and not routing.bf16_matmul
         log.info("CPU kernels: %s; larger bf16 matmuls: %s; prefill attention: %s",
                  _describe_kernels(kernels, routing, weight_dtype),
-                 ("fp32" if not routing.bf16_matmul else
+                 ("fp32 on Anna's register-blocked GEMM, reading the weights as stored" if panels else
+                  "fp32" if not routing.bf16_matmul else
                   "bf16 on Anna's AMX tile kernel (oneDNN's for shapes it does not take, and quantized weights)"
                   if tiles else "bf16 (oneDNN, hardware bf16)"),
                  _describe_prefill_attention(ops))
