@@ -95,20 +95,20 @@ static void pack_panel(const panel_job *job, long p, long k0, long kc, float *ou
     }
 }
 
-/* Lanes [0, valid) of v to y (8 lanes when valid >= 8) */
-INLINE void store_cols(float *y, __m256 v, long valid) {
-    if (valid >= 8) {
-        _mm256_storeu_ps(y, v);
-    } else if (valid > 0) {
-        const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-        _mm256_maskstore_ps(y, _mm256_cmpgt_epi32(_mm256_set1_epi32((int)valid), lane), v);
-    }
+/* All ones in lanes [0, valid) */
+INLINE __m256i lanes_below(long valid) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)valid), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
 
+/* Lanes [0, valid) of v to y (8 lanes when valid >= 8) */
+INLINE void store_cols(float *y, __m256 v, long valid) {
+    if (valid >= 8) _mm256_storeu_ps(y, v);
+    else if (valid > 0) _mm256_maskstore_ps(y, lanes_below(valid), v);
+}
+
+/* Lanes [0, valid) of y, zero above */
 INLINE __m256 load_cols(const float *y, long valid) {
-    if (valid >= 8) return _mm256_loadu_ps(y);
-    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    return _mm256_maskload_ps(y, _mm256_cmpgt_epi32(_mm256_set1_epi32((int)valid), lane));
+    return valid >= 8 ? _mm256_loadu_ps(y) : _mm256_maskload_ps(y, lanes_below(valid));
 }
 
 INLINE __m256 bias_cols(const float *bias, long at, long valid) {
@@ -128,7 +128,7 @@ INLINE __m256 bias_cols(const float *bias, long at, long valid) {
         const long v0 = N - c0, v1 = N - c0 - 8; /* valid lanes of each vector (gated: v0 for both) */       \
         __m256 a0[R], a1[R];                                                                                 \
         _Pragma("GCC unroll 6") for (int r = 0; r < R; r++) {                                                \
-            if (first || job->gated) {                                                                       \
+            if (first) { /* (always, gated: its K is one chunk) */                                           \
                 a0[r] = _mm256_setzero_ps();                                                                 \
                 a1[r] = _mm256_setzero_ps();                                                                 \
             } else {                                                                                         \
