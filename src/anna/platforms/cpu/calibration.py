@@ -23,7 +23,8 @@ them). Above it, one layer of each shape is timed.
   weight-streaming kernel on bf16 dot products against the same kernel in fp32, at every M of
   DOT_ROWS; measured first, so that the bound below is measured on the kernel that will run;
 - ``cpu_gemv_max_rows`` (Anna's kernels, dense and int8 layers): the weight-streaming kernel
-  against the path above it (torch's bf16 or fp32 GEMM);
+  against the path above it, the large-M GEMM (Anna's AMX tiles or register-blocked GEMM where the
+  kernel level has one for the weights, else torch's bf16 or fp32 GEMM: the start-up log names it);
 - ``cpu_bf16_pair_max_rows`` (a bf16 model on Anna's AVX2 kernels): the weight-streaming kernel
   widening bf16 weights in registers against the same kernel converting each block once, at the
   Ms of PAIR_ROWS, on the layers (not the lm_head). Measured after the bound above, which moves
@@ -513,7 +514,7 @@ def report(calibration: Calibration) -> str:
              f"{calibration.host['threads']} threads, kernel level {calibration.host['isa']}"]
     paths = {"cpu_bf16_dot_min_rows": ("kernel on bf16 dot products", "kernel in fp32"),
              "cpu_bf16_pair_max_rows": ("kernel widening in registers", "kernel converting blocks"),
-             "cpu_gemv_max_rows": ("Anna's weight-streaming kernel", "torch's GEMM"),
+             "cpu_gemv_max_rows": ("Anna's weight-streaming kernel", "the large-M GEMM"),
              "int4_gemv_m_threshold": ("packed int4 kernel", "dequantized GEMM"),
              "cpu_upcast_min_rows": ("torch half matmul", "fp32 on the converted weight"),
              "cpu_sdpa_min_tokens": ("Anna's attention kernel", "torch's SDPA")}
