@@ -54,9 +54,9 @@ def main() -> None:
     on, off = [], []
     for i in range(args.pairs):
         for stats in ((shipped_stats, noop) if i % 2 == 0 else (noop, shipped_stats)):
-            engine.stats = stats
+            engine.scheduler.stats = stats
             (on if stats is shipped_stats else off).append(decode_speed(llm, prompt, args.new_tokens, f"ab{i}"))
-    engine.stats = shipped_stats
+    engine.scheduler.stats = shipped_stats
     # the recording done per decode step, in isolation: one step record, one inter-token observation
     from anna.runtime.metrics import EngineStats
     from anna.runtime.scheduler import StepClass
@@ -84,7 +84,7 @@ def main() -> None:
         engine.add_request("prof", prompt, SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True))
         engine.step()  # the prefill and the first token
         profiler = engine.profiler
-        profiler.__init__(engine.device)  # count decode steps only
+        profiler.reset()  # count decode steps only
         t0 = time.perf_counter()
         steps = 0
         while engine.has_unfinished_requests():

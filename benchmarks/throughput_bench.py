@@ -7,6 +7,8 @@ Aggregate tok/s = all output tokens / wall time from submitting the group to its
 (prefill included). Requests: distinct random 64-token prompts, 128 new tokens, ignore_eos.
 Prefix TTFT: a --prefix-tokens prompt sent twice with different 16-token tails; the second finds
 the prefix in the prefix cache (the cache counters are printed, not inferred from speed).
+--profile-runtime: where the decode phase's steps spend their time at each concurrency, region by
+region (diagnosis: it runs the model op by op, so its tok/s are not the engine's).
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ def run_group(engine, prompts: list[list[int]], new_tokens: int, tag: str) -> di
         outs = engine.step()
         if outs and first is None:
             first, first_step_outputs = time.perf_counter(), len(outs)
+            if engine.profiler is not None:
+                engine.profiler.reset()  # the decode phase alone
         for out in outs:
             if out.finished:
                 tokens += len(out.outputs[0].token_ids)
@@ -41,9 +45,13 @@ def run_group(engine, prompts: list[list[int]], new_tokens: int, tag: str) -> di
     wall = end - t0
     # decode phase: the tokens after that first step over the time after it, which is what
     # llama-batched-bench reports as S_TG
-    return {"requests": len(prompts), "output_tokens": tokens, "wall_s": round(wall, 3),
-            "aggregate_tok_s": round(tokens / wall, 2), "ttft_first_s": round(first - t0, 3),
-            "decode_phase_tok_s": round((tokens - first_step_outputs) / (end - first), 2) if end > first else None}
+    result = {"requests": len(prompts), "output_tokens": tokens, "wall_s": round(wall, 3),
+              "aggregate_tok_s": round(tokens / wall, 2), "ttft_first_s": round(first - t0, 3),
+              "decode_phase_tok_s": round((tokens - first_step_outputs) / (end - first), 2) if end > first else None}
+    if engine.profiler is not None:
+        result["decode_phase_profile"] = engine.profiler.report()
+        print(tag, engine.profiler.table(), flush=True)
+    return result
 
 
 def ttft(engine, prompt: list[int], tag: str) -> float:
@@ -63,12 +71,14 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--prefix-tokens", type=int, default=2000)
     ap.add_argument("--quantization", default="none", choices=["none", "int8", "int4"])
+    ap.add_argument("--profile-runtime", action="store_true",
+                    help="also print where the decode phase's time goes (runs the model op by op)")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/throughput_bench.json"))
     args = ap.parse_args()
 
     levels = [int(c) for c in args.concurrency.split(",")]
     llm = LLM(args.model, dtype=args.dtype, max_num_seqs=max(levels), max_model_len=4096,
-              quantization=args.quantization)
+              quantization=args.quantization, profile_runtime=args.profile_runtime)
     engine = llm.llm_engine
     g = torch.Generator().manual_seed(0)
 

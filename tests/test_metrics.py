@@ -93,3 +93,12 @@ def test_profile_runtime_regions_and_identical_outputs(qwen2_dir, cache_dir):
     assert 0 < sum(r["share_of_step"] for n, r in report["regions"].items() if n != "cpu_launch_gap") <= 1.0
     assert "Runtime profile over 12 steps" in profiled.profiler.table()
     assert plain.profiler is None
+    # reset: what follows alone (a short prompt: no large-M matmul, and no gap before its first step)
+    profiled.profiler.reset()
+    profiled.add_request("q", list(range(10, 14)), SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+    drain(profiled)
+    report = profiled.profiler.report()
+    assert report["steps"] == 5
+    assert report["regions"]["cpu_launch_gap"]["calls"] == 4
+    assert report["regions"]["sampling"]["calls"] == 5
+    assert not {"matmul:anna_panels", "deinterleave"} & set(report["regions"])

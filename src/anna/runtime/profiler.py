@@ -19,6 +19,10 @@ from anna.platforms import Platform
 class RuntimeProfiler:
     def __init__(self, platform: Platform) -> None:
         self.sync = platform.synchronize if platform.asynchronous else None
+        self.reset()
+
+    def reset(self) -> None:
+        """Count from the next step on (a benchmark leaves out its warm-up or a phase it does not time)."""
         self.total: dict[str, float] = defaultdict(float)
         self.calls: dict[str, int] = defaultdict(int)
         self.steps = 0
