@@ -1,5 +1,8 @@
-/* Arithmetic ceilings of this CPU for Anna's kernels: fp32 FMA (the bf16/fp16 kernels) and
- * int8 maddubs + int16 add (the int4 kernel), on every thread at once, register operands only.
+/* Ceilings of this CPU for Anna's kernels: fp32 FMA (the bf16/fp16 kernels) and int8 maddubs +
+ * int16 add (the int4 kernel), on every thread at once, register operands only; and the rate at
+ * which all threads read 512 MB from memory in runs of 4 KB, 32 KB and 256 KB taken in a random
+ * order (decode attention reads a KV head's rows block by block: one run per block) and in one
+ * sequential pass (the weights).
  *
  *   cc -O2 -mavx2 -mfma -fopenmp benchmarks/cpu_peak.c -o /tmp/cpu_peak && /tmp/cpu_peak [threads]
  *
@@ -9,6 +12,7 @@
 #include <omp.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <sys/mman.h>
 
 #define TEN(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9)
 #define EIGHT(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7)
@@ -63,10 +67,51 @@ static double maddubs_gops(int threads, long iters) {
     return threads * iters * 16.0 * 64 / (omp_get_wtime() - t0) / 1e9;
 }
 
+/* GB/s of reading `bytes` at `buf` in runs of `run` bytes, the runs in a shuffled order (run ==
+ * bytes: one sequential pass split among the threads); the best of three passes. */
+static double read_gbps(int threads, const float *buf, long bytes, long run) {
+    long runs = bytes / run, *order = malloc(runs * sizeof(long));
+    for (long i = 0; i < runs; i++) order[i] = i;
+    srand(1);
+    for (long i = runs - 1; i > 0 && run < bytes; i--) {
+        long j = rand() % (i + 1), t = order[i];
+        order[i] = order[j];
+        order[j] = t;
+    }
+    long parts = run < bytes ? runs : threads * 64, part = bytes / parts;  /* a sequential pass in slices */
+    double best = 1e30;
+    volatile float sink = 0;
+    for (int pass = 0; pass < 3; pass++) {
+        double t0 = omp_get_wtime();
+        #pragma omp parallel for num_threads(threads) schedule(static)
+        for (long r = 0; r < parts; r++) {
+            const float *p = buf + (run < bytes ? order[r] * run : r * part) / 4;
+            __m256 a = _mm256_setzero_ps(), b = _mm256_setzero_ps();
+            for (long i = 0; i < part / 4; i += 16) {
+                a = _mm256_add_ps(a, _mm256_load_ps(p + i));
+                b = _mm256_add_ps(b, _mm256_load_ps(p + i + 8));
+            }
+            sink += _mm256_cvtss_f32(_mm256_add_ps(a, b));
+        }
+        double t = omp_get_wtime() - t0;
+        best = t < best ? t : best;
+    }
+    free(order);
+    return bytes / best / 1e9;
+}
+
 int main(int argc, char **argv) {
     int threads = argc > 1 ? atoi(argv[1]) : omp_get_max_threads();
     long iters = 200000000;
     printf("%d threads: fp32 FMA %.0f GFLOPS; int8 maddubs + int16 add %.0f GOPS\n", threads,
            fma_gflops(threads, iters), maddubs_gops(threads, iters / 2));
+    long bytes = 512L << 20;
+    float *buf = aligned_alloc(2 << 20, bytes);
+    madvise(buf, bytes, MADV_HUGEPAGE);  /* as Anna keeps its KV cache */
+    for (long i = 0; i < bytes / 4; i++) buf[i] = 1.0f;
+    printf("%d threads reading 512 MB: runs of 4 KB in random order %.1f GB/s, 32 KB %.1f, 256 KB %.1f; "
+           "sequential %.1f\n", threads, read_gbps(threads, buf, bytes, 4096), read_gbps(threads, buf, bytes, 32768),
+           read_gbps(threads, buf, bytes, 262144), read_gbps(threads, buf, bytes, bytes));
+    free(buf);
     return 0;
 }
