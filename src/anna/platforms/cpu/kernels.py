@@ -32,7 +32,7 @@ SOURCES = [KERNEL_DIR / name for name in ("decode_attention.c", "cpu_kernels.c",
                                           "gated_delta.c", "decode_hybrid.c", "kv_cache.c", "prefill_attention.c",
                                           "tile_matmul.c", "panel_matmul.c")]
 HEADERS = [KERNEL_DIR / name for name in ("work_split.h", "decode_common.h", "bf16.h", "kv_format.h", "vec_math.h",
-                                          "amx_tiles.h", "weight_types.h")]
+                                          "amx_tiles.h", "weight_types.h", "thread_buffer.h")]
 CFLAGS = ["-O3", "-fopenmp", "-fPIC"]
 # The levels the kernels are built for (isa.py's names), each with the instruction sets it may use;
 # a CPU runs the highest one it has (or the one --cpu-isa forces).

@@ -27,6 +27,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "thread_buffer.h"
 #include "vec_math.h"
 #include "weight_types.h"
 
@@ -167,20 +168,6 @@ DEFINE_MICRO(4)
 DEFINE_MICRO(5)
 DEFINE_MICRO(6)
 
-/* A 32-byte-aligned buffer of at least `bytes`, kept by the calling thread from one call to the next
- * (a buffer of megabytes allocated per call is mapped afresh, and each of its pages faults on first
- * write). */
-static float *thread_panels(size_t bytes) {
-    static __thread float *buffer;
-    static __thread size_t size;
-    if (size < bytes) {
-        free(buffer);
-        size = (bytes + 63) / 64 * 64;
-        buffer = (float *)aligned_alloc(64, size);
-    }
-    return buffer;
-}
-
 /* One thread's part: rows [m0, m1) of x against panels [p0, p1). */
 static void run_panels(const panel_job *job, long m0, long m1, long p0, long p1) {
     const long K = job->K;
@@ -191,7 +178,7 @@ static void run_panels(const panel_job *job, long m0, long m1, long p0, long p1)
     if (per_group > p1 - p0) per_group = p1 - p0;
     long x_block = X_BLOCK_BYTES / (kc_max * 4) / MR * MR;
     if (x_block < MR) x_block = MR;
-    float *packed = thread_panels(per_group * kc_max * PANEL_ROWS * sizeof(float));
+    float *packed = (float *)thread_buffer(0, per_group * kc_max * PANEL_ROWS * sizeof(float));
     for (long k0 = 0; k0 < K; k0 += kc_max) {
         const long kc = K - k0 < kc_max ? K - k0 : kc_max;
         for (long g0 = p0; g0 < p1; g0 += per_group) {

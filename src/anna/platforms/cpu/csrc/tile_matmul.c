@@ -30,6 +30,7 @@
 
 #include "amx_tiles.h"
 #include "bf16.h"
+#include "thread_buffer.h"
 #include "vec_math.h"
 
 #if ANNA_AMX
@@ -109,21 +110,6 @@ INLINE void store16(void *y, int bf16, int stream, long i, __m512 v) {
 }
 
 INLINE __m512 bias16(const float *bias, long n) { return bias ? _mm512_loadu_ps(bias + n) : _mm512_setzero_ps(); }
-
-/* A 64-byte-aligned buffer of at least `bytes`, kept by the calling thread from one call to the
- * next (slot 0: packed panels, 1: x rows): a buffer of megabytes allocated per call is mapped
- * afresh whenever malloc hands it to mmap, and each of its pages then faults on first write (a
- * 512-token prefill's matmuls ran 1.2x slower once other code had left malloc that way). */
-static void *thread_buffer(int slot, size_t bytes) {
-    static __thread void *buffers[2];
-    static __thread size_t sizes[2];
-    if (sizes[slot] < bytes) {
-        free(buffers[slot]);
-        sizes[slot] = (bytes + 63) / 64 * 64;
-        buffers[slot] = aligned_alloc(64, sizes[slot]);
-    }
-    return buffers[slot];
-}
 
 /* Rows [m, m + rows) of x (bf16, or fp32 when xf32) as bf16 into xl, zero rows after them up to a
  * multiple of 32: the block of x one thread's A tiles read. Each thread keeps its own copy in its
