@@ -244,14 +244,26 @@ def test_argmax_matches_torch_ties_nan_and_inf(kernels, width):
     assert kernels.argmax(logits.bfloat16()).tolist() == logits.bfloat16().argmax(dim=-1).tolist()
 
 
-@pytest.mark.parametrize("window", [0, 24])
-def test_paged_decode_attention_matches_torch(kernels, window):
+# (contexts, threads): many sequences, a job per (sequence, KV head); fewer jobs than threads, so
+# that each KV head's context is cut into parts merged after: one sequence on 4 threads (2 parts
+# of 3,000 positions), on 16 (8 parts of 2,600, the last two past its end), and a long context (4
+# parts) beside one too short to cut
+DECODE_ATTENTION_CASES = {"many_sequences": ([1, 7, 8, 9, 40, 100, 300, 600], None),
+                          "parts_on_4_threads": ([3000], 4),
+                          "parts_on_16_threads": ([2600], 16),
+                          "parts_beside_one_pass": ([1, 5000], 16)}
+
+
+@pytest.mark.parametrize("case", list(DECODE_ATTENTION_CASES))
+@pytest.mark.parametrize("window", [0, 24, 1500])
+def test_paged_decode_attention_matches_torch(kernels, window, case):
     """Grouped-query decode attention through scattered block tables; contexts around the 8-position
-    chunks the kernel scores together, and past the 256-position tiles it takes the softmax in (each
-    tile's maximum against the running one)."""
+    chunks the kernel scores together, past the 256-position tiles it takes the softmax in (each
+    tile's maximum against the running one), and long enough to be cut into parts among threads."""
     torch.manual_seed(2)
-    heads, kv_heads, dim, block_size, blocks = 14, 2, 64, 16, 80
-    contexts = [1, 7, 8, 9, 40, 100, 300, 600]
+    contexts, threads = DECODE_ATTENTION_CASES[case]
+    heads, kv_heads, dim, block_size = 14, 2, 64, 16
+    blocks = sum(-(-c // block_size) for c in contexts) + 8
     k_cache = torch.randn(blocks, kv_heads, block_size, dim)
     v_cache = torch.randn(blocks, kv_heads, block_size, dim)
     order = torch.randperm(blocks)
@@ -264,8 +276,13 @@ def test_paged_decode_attention_matches_torch(kernels, window):
         used += n
     q = torch.randn(len(contexts), heads, dim)
     scale = dim ** -0.5
-    got = kernels.decode_attention(q, k_cache, v_cache, KVFormat("float32", dim), tables, torch.tensor(contexts),
-                                   window or None, scale)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads or before)
+    try:
+        got = kernels.decode_attention(q, k_cache, v_cache, KVFormat("float32", dim), tables, torch.tensor(contexts),
+                                       window or None, scale)
+    finally:
+        torch.set_num_threads(before)
     for i, c in enumerate(contexts):
         slots = [(int(tables[i, p // block_size]), p % block_size) for p in range(c)]
         if window:

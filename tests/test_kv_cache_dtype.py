@@ -165,6 +165,31 @@ def test_kernel_attention_over_quantized_rows_equals_the_dequantized_reference(k
     assert (got - ref).abs().max().item() <= tol, (got - ref).abs().max()
 
 
+@pytest.mark.parametrize("name", TYPES)
+def test_kernel_attention_cut_into_parts_equals_one_pass(kernels, name):
+    """One sequence on 16 threads: each KV head's 2,600 positions are cut into 8 parts (the last
+    two past the end), attended apart and merged by their running maxima and sums; on one thread the
+    context is one pass. The two agree to rounding in every stored format (TurboQuant's output is
+    rotated back per part, which the merge's weighted sum commutes with)."""
+    torch.manual_seed(6)
+    fmt, bs, dim, n = KVFormat(name, 64), 16, 64, 2600
+    blocks = -(-n // bs) + 4
+    cache = PagedKV(fmt.encode(torch.randn(blocks, 2, bs, dim)), fmt.encode(torch.randn(blocks, 2, bs, dim) * 2), fmt)
+    tables = torch.randperm(blocks)[None, :-(-n // bs)].contiguous()
+    q = torch.randn(1, 14, dim)
+    before = torch.get_num_threads()
+    try:
+        runs = []
+        for threads in (1, 16):
+            torch.set_num_threads(threads)
+            runs.append(kernels.decode_attention(q, cache[0], cache[1], fmt, tables, torch.tensor([n]), None,
+                                                 dim ** -0.5))
+    finally:
+        torch.set_num_threads(before)
+    whole, parts = runs
+    assert (parts - whole).abs().max().item() <= 1e-5 * whole.abs().max().item()
+
+
 # ---- through the engine ----
 
 @pytest.fixture(scope="module")

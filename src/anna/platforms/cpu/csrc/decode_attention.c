@@ -609,11 +609,27 @@ static AttendFn attend_as(int kind) {
     }
 }
 
+#define PART_MIN_POSITIONS 256  /* a context is cut into parts of at least this many positions */
+
+/* Parts a context of `len` positions is cut into, so that a step with fewer (sequence, KV head)
+ * jobs than threads still gives every thread one (flash decoding): one sequence of a model with two
+ * KV heads is two jobs, which would leave all but two threads idle however long its context. (Two
+ * jobs a thread, for balance, ran 0.92-0.97x where one each was there already: one sequence with
+ * two KV heads on 2 threads, 8K and 32K tokens. Parts of 128 positions ran 0.92x at 256 tokens,
+ * parts of 256 1.47x at 512 with one KV head on 2 threads: benchmarks/attention_bench.py.) */
+static long context_parts(long len, long seqs, long kv_heads, int threads) {
+    long jobs = seqs * kv_heads, want = (threads + jobs - 1) / jobs, most = len / PART_MIN_POSITIONS;
+    long parts = want < most ? want : most;
+    return parts > 1 ? parts : 1;
+}
+
 /* Decode attention over a paged KV cache: one query token per sequence.
  * q, out: [seqs, heads, dim] fp32; caches: [blocks, kv_heads, block_size, row] with rows stored as
  * `f` says (NULL: fp32); tables: [seqs, table_width] block ids; ctx: tokens of each sequence (the new
  * one included); window > 0 limits attention to the last `window` tokens. One job per (sequence,
- * kv head): each cached key and value row is read once for all the query heads that share it (GQA). */
+ * kv head, part of its context): each cached key and value row is read once for all the query heads
+ * that share it (GQA). A context in several parts (context_parts) has each part's output and its
+ * heads' running maxima and sums kept apart, then merged with the weights their maxima give. */
 void anna_paged_decode_attention(const float *q, const void *k_cache, const void *v_cache, const AnnaKVFormat *f,
                                  const long *tables, long table_width, const long *ctx, long seqs, long heads,
                                  long kv_heads, long dim, long block_size, long window, float scale, float *out,
@@ -622,6 +638,21 @@ void anna_paged_decode_attention(const float *q, const void *k_cache, const void
     int kind = f ? f->kind : KV_F32;
     long row_bytes = f ? f->row_bytes : dim * 4;
     int shift = (block_size & (block_size - 1)) == 0 ? __builtin_ctzl(block_size) : -1;
+    /* the jobs: first[sq] .. first[sq + 1] are sequence sq's, parts[sq] per KV head */
+    long *parts = (long *)malloc(sizeof(long) * seqs), *first = (long *)malloc(sizeof(long) * (seqs + 1));
+    first[0] = 0;
+    long split = 0;  /* jobs with a partial output of their own: those up to the last cut context's */
+    for (long sq = 0; sq < seqs; sq++) {
+        long n = ctx[sq], start = (window > 0 && n > window) ? n - window : 0;
+        parts[sq] = context_parts(n - start, seqs, kv_heads, threads);
+        first[sq + 1] = first[sq] + kv_heads * parts[sq];
+        if (parts[sq] > 1) split = first[sq + 1];
+    }
+    long jobs = first[seqs];
+    /* per job of a split context: its heads' normalized output, running maxima and sums */
+    float *part_o = split ? (float *)malloc(sizeof(float) * split * group * dim) : 0;
+    float *part_mx = split ? (float *)malloc(sizeof(float) * split * group) : 0;
+    float *part_sum = split ? (float *)malloc(sizeof(float) * split * group) : 0;
     #pragma omp parallel num_threads(threads)
     {
         /* 64-byte aligned: decoded rows and sums are stored and reloaded in 512-bit vectors */
@@ -637,14 +668,55 @@ void anna_paged_decode_attention(const float *q, const void *k_cache, const void
             .qi = (int8_t *)malloc(group * dim),
         };
         #pragma omp for schedule(dynamic, 1)
-        for (long job = 0; job < seqs * kv_heads; job++) {
-            long sq = job / kv_heads, kvh = job % kv_heads;
+        for (long job = 0; job < jobs; job++) {
+            long sq = split ? 0 : job / kv_heads;  /* split: few sequences (context_parts) */
+            while (first[sq + 1] <= job) sq++;
+            long np = parts[sq], kvh = (job - first[sq]) / np, part = (job - first[sq]) % np;
             long n = ctx[sq], start = (window > 0 && n > window) ? n - window : 0;
+            /* part `part` of [start, n), in whole tiles */
+            long size = ((n - start + np - 1) / np + ATTN_TILE - 1) / ATTN_TILE * ATTN_TILE;
+            long s0 = start + part * size, s1 = s0 + size < n ? s0 + size : n;
             const float *qv = q + (sq * heads + kvh * group) * dim;  /* the group's query heads, consecutive */
-            float *o = out + (sq * heads + kvh * group) * dim;
+            float *o = np > 1 ? part_o + job * group * dim : out + (sq * heads + kvh * group) * dim;
+            if (s0 >= s1) {  /* a part past the end: nothing to add */
+                for (long g = 0; g < group; g++) {
+                    part_mx[job * group + g] = -INFINITY;
+                    part_sum[job * group + g] = 0.0f;
+                }
+                continue;
+            }
             PagedSeq seq = {tables + sq * table_width, block_size, kv_heads, kvh, row_bytes, shift};
             const uint8_t *kc = (const uint8_t *)k_cache, *vc = (const uint8_t *)v_cache;
-            attend_as(kind)(f, qv, kc, vc, &seq, start, n, group, dim, scale, &b, o);
+            attend_as(kind)(f, qv, kc, vc, &seq, s0, s1, group, dim, scale, &b, o);
+            if (np > 1)
+                for (long g = 0; g < group; g++) {
+                    part_mx[job * group + g] = b.mx[g];
+                    part_sum[job * group + g] = b.sum[g];
+                }
+        }
+        /* each split (sequence, KV head): out = sum_i w_i o_i, w_i = sum_i e^(mx_i - M) / (the same over i) */
+        #pragma omp for schedule(dynamic, 1)
+        for (long pair = 0; pair < seqs * kv_heads; pair++) {
+            long sq = pair / kv_heads, kvh = pair % kv_heads, np = parts[sq];
+            if (np == 1) continue;
+            long j0 = first[sq] + kvh * np;
+            for (long g = 0; g < group; g++) {
+                float m = -INFINITY, total = 0.0f;
+                for (long i = 0; i < np; i++) m = fmaxf(m, part_mx[(j0 + i) * group + g]);
+                for (long i = 0; i < np; i++) {
+                    long at = (j0 + i) * group + g;
+                    if (part_sum[at] > 0.0f) total += part_sum[at] * expf(part_mx[at] - m);
+                }
+                float *og = out + (sq * heads + kvh * group + g) * dim;
+                for (long d = 0; d < dim; d++) og[d] = 0.0f;
+                for (long i = 0; i < np; i++) {
+                    long at = (j0 + i) * group + g;
+                    if (part_sum[at] <= 0.0f) continue;
+                    float w = part_sum[at] * expf(part_mx[at] - m) / total;
+                    const float *oi = part_o + at * dim;
+                    for (long d = 0; d < dim; d++) og[d] += w * oi[d];
+                }
+            }
         }
         free(b.scores);
         free(b.mx);
@@ -655,4 +727,9 @@ void anna_paged_decode_attention(const float *q, const void *k_cache, const void
         free(b.accq);
         free(b.qi);
     }
+    free(parts);
+    free(first);
+    free(part_o);
+    free(part_mx);
+    free(part_sum);
 }
