@@ -614,7 +614,7 @@ static AttendFn attend_as(int kind) {
 /* Parts a context of `len` positions is cut into, so that a step with fewer (sequence, KV head)
  * jobs than threads still gives every thread one (flash decoding): one sequence of a model with two
  * KV heads is two jobs, which would leave all but two threads idle however long its context. (Two
- * jobs a thread, for balance, ran 0.92-0.97x where one each was there already: one sequence with
+ * jobs a thread, for balance, ran 0.93-0.97x where one each was there already: one sequence with
  * two KV heads on 2 threads, 8K and 32K tokens. Parts of 128 positions ran 0.92x at 256 tokens,
  * parts of 256 1.47x at 512 with one KV head on 2 threads: benchmarks/attention_bench.py.) */
 static long context_parts(long len, long seqs, long kv_heads, int threads) {
