@@ -13,6 +13,8 @@ come from memory as in a real step. The caches are on huge pages, as the engine 
 --repeats steps per context. --kv-cache-dtypes: caches stored in each of these formats
 (model/kv_format.py), timed alternately step by step in the same run. --baseline-kernels: another
 build of the kernels (an earlier commit's), alternated with this tree's on the same caches.
+--short-context N: the first sequence holds the context, the others N tokens (a long request
+beside short ones, which the threads must still share evenly).
 
     python benchmarks/attention_bench.py --prefill --contexts 512 2048
 
@@ -104,6 +106,9 @@ def main() -> None:
     ap.add_argument("--baseline-kernels", type=Path,
                     help="a kernel library built from other sources (e.g. an earlier commit's, from its "
                          "--cache-dir's kernels/ folder), timed alternately with this tree's on the same caches")
+    ap.add_argument("--short-context", type=int, default=0,
+                    help="every sequence but the first holds this many tokens instead (one long request beside "
+                         "short ones); 0 = all hold the context")
     ap.add_argument("--prefill", action="store_true", help="a prompt's causal attention instead (see above)")
     args = ap.parse_args()
     kernels = build_cpu_kernels(args.cache_dir)
@@ -123,7 +128,8 @@ def main() -> None:
         shape = kv_cache_shape(pool, args.block_size, args.kv_heads, args.head_dim)
         tables = torch.randperm(pool)[:blocks].view(args.seqs, -1)
         q = torch.randn(args.seqs, args.heads, args.head_dim)
-        lens = torch.full((args.seqs,), context, dtype=torch.long)
+        lens = torch.full((args.seqs,), args.short_context or context, dtype=torch.long)
+        lens[0] = context
         kinds = {}
         for name in args.kv_cache_dtypes:
             fmt = KVFormat(name, args.head_dim)
@@ -139,7 +145,7 @@ def main() -> None:
                     times[kind, build].append(step_ms(lib, caches, tables, q, lens))
         row = {"context": context, "seqs": args.seqs}
         for kind, caches in kinds.items():
-            kv_mb = args.layers * args.seqs * context * 2 * args.kv_heads * caches[0].format.row_bytes / 1e6
+            kv_mb = args.layers * int(lens.sum()) * 2 * args.kv_heads * caches[0].format.row_bytes / 1e6
             row[kind] = {"kv_mb_read": round(kv_mb, 1)}
             row[kind].update({build: round(min(times[kind, build]), 2) for build in builds})
         if args.compare_huge_pages:

@@ -244,14 +244,16 @@ def test_argmax_matches_torch_ties_nan_and_inf(kernels, width):
     assert kernels.argmax(logits.bfloat16()).tolist() == logits.bfloat16().argmax(dim=-1).tolist()
 
 
-# (contexts, threads): many sequences, a job per (sequence, KV head); fewer jobs than threads, so
-# that each KV head's context is cut into parts merged after: one sequence on 4 threads (2 parts
-# of 3,000 positions), on 16 (8 parts of 2,600, the last two past its end), and a long context (4
-# parts) beside one too short to cut
+# (contexts, threads): many sequences, a job per (sequence, KV head); contexts longer than an even
+# share of the step's positions among the threads, cut into parts merged after: one sequence on 4
+# threads (2 parts of 3,000 positions), on 16 (8 parts of 2,600, the last two past its end), a long
+# context (8 parts) beside one too short to cut, and on 4 threads a long request beside a short one
+# (4 jobs for 4 threads, but uneven: 2 parts of 3,000)
 DECODE_ATTENTION_CASES = {"many_sequences": ([1, 7, 8, 9, 40, 100, 300, 600], None),
                           "parts_on_4_threads": ([3000], 4),
                           "parts_on_16_threads": ([2600], 16),
-                          "parts_beside_one_pass": ([1, 5000], 16)}
+                          "parts_beside_one_pass": ([1, 5000], 16),
+                          "long_beside_short": ([3000, 40], 4)}
 
 
 @pytest.mark.parametrize("case", list(DECODE_ATTENTION_CASES))

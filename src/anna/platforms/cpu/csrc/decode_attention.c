@@ -611,16 +611,20 @@ static AttendFn attend_as(int kind) {
 
 #define PART_MIN_POSITIONS 256  /* a context is cut into parts of at least this many positions */
 
-/* Parts a context of `len` positions is cut into, so that a step with fewer (sequence, KV head)
- * jobs than threads still gives every thread one (flash decoding): one sequence of a model with two
- * KV heads is two jobs, which would leave all but two threads idle however long its context. (Two
- * jobs a thread, for balance, ran 0.93-0.97x where one each was there already: one sequence with
- * two KV heads on 2 threads, 8K and 32K tokens. Parts of 128 positions ran 0.92x at 256 tokens,
- * parts of 256 1.47x at 512 with one KV head on 2 threads: benchmarks/attention_bench.py.) */
-static long context_parts(long len, long seqs, long kv_heads, int threads) {
-    long jobs = seqs * kv_heads, want = (threads + jobs - 1) / jobs, most = len / PART_MIN_POSITIONS;
-    long parts = want < most ? want : most;
-    return parts > 1 ? parts : 1;
+/* The most positions of one KV head's context a job takes: the step's positions over all its
+ * (sequence, KV head) pairs shared evenly among the threads, and at least PART_MIN_POSITIONS.
+ * Longer contexts are cut into parts (flash decoding), so that one sequence of a model with two KV
+ * heads, two jobs, does not leave all but two threads idle however long its context, nor one long
+ * sequence beside short ones the threads that took the short ones. Where the pairs already share
+ * evenly among the threads nothing is cut: two jobs a thread, for balance, ran 0.93-0.97x where one
+ * each was there already (one sequence with two KV heads on 2 threads, 8K and 32K tokens); parts
+ * of 128 positions ran 0.92x at 256 tokens, parts of 256 1.47x at 512 (one KV head on 2 threads;
+ * benchmarks/attention_bench.py). */
+static long part_positions(const long *ctx, long seqs, long kv_heads, long window, int threads) {
+    long total = 0;
+    for (long sq = 0; sq < seqs; sq++) total += (window > 0 && ctx[sq] > window ? window : ctx[sq]) * kv_heads;
+    long even = (total + threads - 1) / threads;
+    return even > PART_MIN_POSITIONS ? even : PART_MIN_POSITIONS;
 }
 
 /* Decode attention over a paged KV cache: one query token per sequence.
@@ -628,7 +632,7 @@ static long context_parts(long len, long seqs, long kv_heads, int threads) {
  * `f` says (NULL: fp32); tables: [seqs, table_width] block ids; ctx: tokens of each sequence (the new
  * one included); window > 0 limits attention to the last `window` tokens. One job per (sequence,
  * kv head, part of its context): each cached key and value row is read once for all the query heads
- * that share it (GQA). A context in several parts (context_parts) has each part's output and its
+ * that share it (GQA). A context in several parts (part_positions) has each part's output and its
  * heads' running maxima and sums kept apart, then merged with the weights their maxima give. */
 void anna_paged_decode_attention(const float *q, const void *k_cache, const void *v_cache, const AnnaKVFormat *f,
                                  const long *tables, long table_width, const long *ctx, long seqs, long heads,
@@ -642,9 +646,10 @@ void anna_paged_decode_attention(const float *q, const void *k_cache, const void
     long *parts = (long *)malloc(sizeof(long) * seqs), *first = (long *)malloc(sizeof(long) * (seqs + 1));
     first[0] = 0;
     long split = 0;  /* jobs with a partial output of their own: those up to the last cut context's */
+    long most = part_positions(ctx, seqs, kv_heads, window, threads);
     for (long sq = 0; sq < seqs; sq++) {
         long n = ctx[sq], start = (window > 0 && n > window) ? n - window : 0;
-        parts[sq] = context_parts(n - start, seqs, kv_heads, threads);
+        parts[sq] = (n - start + most - 1) / most;
         first[sq + 1] = first[sq] + kv_heads * parts[sq];
         if (parts[sq] > 1) split = first[sq + 1];
     }
@@ -669,8 +674,12 @@ void anna_paged_decode_attention(const float *q, const void *k_cache, const void
         };
         #pragma omp for schedule(dynamic, 1)
         for (long job = 0; job < jobs; job++) {
-            long sq = split ? 0 : job / kv_heads;  /* split: few sequences (context_parts) */
-            while (first[sq + 1] <= job) sq++;
+            long sq = 0, hi = seqs - 1;  /* the sequence whose jobs hold `job`: first[sq] <= job < first[sq + 1] */
+            while (sq < hi) {
+                long mid = (sq + hi + 1) / 2;
+                if (first[mid] <= job) sq = mid;
+                else hi = mid - 1;
+            }
             long np = parts[sq], kvh = (job - first[sq]) / np, part = (job - first[sq]) % np;
             long n = ctx[sq], start = (window > 0 && n > window) ? n - window : 0;
             /* part `part` of [start, n), in whole tiles */
