@@ -609,6 +609,9 @@ static AttendFn attend_as(int kind) {
     }
 }
 
+/* The first position a sequence of n tokens attends to: 0, or the start of its last `window`. */
+static inline long attended_from(long n, long window) { return window > 0 && n > window ? n - window : 0; }
+
 #define PART_MIN_POSITIONS 256  /* a context is cut into parts of at least this many positions */
 
 /* The most positions of one KV head's context a job takes: the step's positions over all its
@@ -622,7 +625,7 @@ static AttendFn attend_as(int kind) {
  * benchmarks/attention_bench.py). */
 static long part_positions(const long *ctx, long seqs, long kv_heads, long window, int threads) {
     long total = 0;
-    for (long sq = 0; sq < seqs; sq++) total += (window > 0 && ctx[sq] > window ? window : ctx[sq]) * kv_heads;
+    for (long sq = 0; sq < seqs; sq++) total += (ctx[sq] - attended_from(ctx[sq], window)) * kv_heads;
     long even = (total + threads - 1) / threads;
     return even > PART_MIN_POSITIONS ? even : PART_MIN_POSITIONS;
 }
@@ -648,7 +651,7 @@ void anna_paged_decode_attention(const float *q, const void *k_cache, const void
     long split = 0;  /* jobs with a partial output of their own: those up to the last cut context's */
     long most = part_positions(ctx, seqs, kv_heads, window, threads);
     for (long sq = 0; sq < seqs; sq++) {
-        long n = ctx[sq], start = (window > 0 && n > window) ? n - window : 0;
+        long n = ctx[sq], start = attended_from(n, window);
         parts[sq] = (n - start + most - 1) / most;
         first[sq + 1] = first[sq] + kv_heads * parts[sq];
         if (parts[sq] > 1) split = first[sq + 1];
@@ -681,7 +684,7 @@ void anna_paged_decode_attention(const float *q, const void *k_cache, const void
                 else hi = mid - 1;
             }
             long np = parts[sq], kvh = (job - first[sq]) / np, part = (job - first[sq]) % np;
-            long n = ctx[sq], start = (window > 0 && n > window) ? n - window : 0;
+            long n = ctx[sq], start = attended_from(n, window);
             /* part `part` of [start, n), in whole tiles */
             long size = ((n - start + np - 1) / np + ATTN_TILE - 1) / ATTN_TILE * ATTN_TILE;
             long s0 = start + part * size, s1 = s0 + size < n ? s0 + size : n;
