@@ -1,10 +1,13 @@
 /* Ceilings of this CPU for Anna's kernels: fp32 FMA (the bf16/fp16 kernels) and int8 maddubs +
- * int16 add (the int4 kernel), on every thread at once, register operands only; and the rate at
+ * int16 add (the avx2 level's int4 kernel), on every thread at once, register operands only; built
+ * with AVX-512 VNNI (and BF16) flags, also 512-bit vpdpbusd (the avx512_vnni level's int4 kernel)
+ * and vdpbf16ps (its bf16 dot products); and the rate at
  * which all threads read 512 MB from memory in runs of 4 KB, 32 KB and 256 KB taken in a random
  * order (decode attention reads a KV head's rows block by block: one run per block) and in one
  * sequential pass (the weights).
  *
  *   cc -O2 -mavx2 -mfma -fopenmp benchmarks/cpu_peak.c -o /tmp/cpu_peak && /tmp/cpu_peak [threads]
+ *   cc -O2 -march=native -fopenmp benchmarks/cpu_peak.c -o /tmp/cpu_peak   # + what this CPU has
  *
  * Ten independent accumulators hide the FMA latency; the empty asm keeps the compiler from
  * hoisting the work out of the loop. */
@@ -67,6 +70,51 @@ static double maddubs_gops(int threads, long iters) {
     return threads * iters * 16.0 * 64 / (omp_get_wtime() - t0) / 1e9;
 }
 
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+/* vpdpbusd on 512-bit vectors into 8 independent int32 sums (the int4 kernel's tile of 8 rows of
+ * x): 64 byte products summed 4 at a time per instruction = 128 operations */
+static double dpbusd_gops(int threads, long iters) {
+    double t0 = omp_get_wtime();
+    volatile int sink = 0;
+    #pragma omp parallel num_threads(threads)
+    {
+        __m512i w = _mm512_set1_epi8(3), x = _mm512_set1_epi8(5);
+#define VINIT(i) __m512i v##i = _mm512_setzero_si512();
+        EIGHT(VINIT)
+        for (long n = 0; n < iters; n++) {
+            __asm__ volatile("" : "+v"(w), "+v"(x));
+#define VSTEP(i) v##i = _mm512_dpbusd_epi32(v##i, w, x); __asm__("" : "+v"(v##i));
+            EIGHT(VSTEP)
+        }
+#define VSUM(i) + _mm512_reduce_add_epi32(v##i)
+        sink += 0 EIGHT(VSUM);
+    }
+    return threads * iters * 8.0 * 128 / (omp_get_wtime() - t0) / 1e9;
+}
+#endif
+
+#if defined(__AVX512BF16__)
+/* vdpbf16ps on 512-bit vectors into 8 independent fp32 sums: 32 bf16 products = 64 operations */
+static double dpbf16_gflops(int threads, long iters) {
+    double t0 = omp_get_wtime();
+    volatile float sink = 0;
+    #pragma omp parallel num_threads(threads)
+    {
+        __m512bh w = (__m512bh)_mm512_set1_epi16(0x3f80), x = (__m512bh)_mm512_set1_epi16(0x3f80);
+#define BINIT(i) __m512 b##i = _mm512_setzero_ps();
+        EIGHT(BINIT)
+        for (long n = 0; n < iters; n++) {
+            __asm__ volatile("" : "+v"(w), "+v"(x));
+#define BSTEP(i) b##i = _mm512_dpbf16_ps(b##i, w, x); __asm__("" : "+v"(b##i));
+            EIGHT(BSTEP)
+        }
+#define BSUM(i) + _mm512_reduce_add_ps(b##i)
+        sink += 0 EIGHT(BSUM);
+    }
+    return threads * iters * 8.0 * 64 / (omp_get_wtime() - t0) / 1e9;
+}
+#endif
+
 /* GB/s of reading `bytes` at `buf` in runs of `run` bytes, the runs in a shuffled order (run ==
  * bytes: one sequential pass split among the threads); the best of three passes. */
 static double read_gbps(int threads, const float *buf, long bytes, long run) {
@@ -105,6 +153,12 @@ int main(int argc, char **argv) {
     long iters = 200000000;
     printf("%d threads: fp32 FMA %.0f GFLOPS; int8 maddubs + int16 add %.0f GOPS\n", threads,
            fma_gflops(threads, iters), maddubs_gops(threads, iters / 2));
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    printf("%d threads: int8 vpdpbusd (512-bit) %.0f GOPS\n", threads, dpbusd_gops(threads, iters / 2));
+#endif
+#if defined(__AVX512BF16__)
+    printf("%d threads: bf16 vdpbf16ps (512-bit) %.0f GFLOPS\n", threads, dpbf16_gflops(threads, iters / 2));
+#endif
     long bytes = 512L << 20;
     float *buf = aligned_alloc(2 << 20, bytes);
     madvise(buf, bytes, MADV_HUGEPAGE);  /* as Anna keeps its KV cache */
