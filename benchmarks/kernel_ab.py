@@ -4,6 +4,7 @@ against the working tree's, on the matmuls of a Qwen2.5-0.5B layer and its lm_he
     python benchmarks/kernel_ab.py --base HEAD~1 --ms 1,4,16,64
     python benchmarks/kernel_ab.py --base HEAD~1 --quantization int4 --ms 1,16
     python benchmarks/kernel_ab.py --base HEAD~1 --large-m --ms 128,512 --rounds 3
+    python benchmarks/kernel_ab.py --base main --large-m --amx-emulated --ms 600 --rounds 1
 
 This VM class's speed wanders by a third between runs, so two builds are only compared within one
 process, round by round, in alternating order: each round times every weight copy once with each
@@ -15,14 +16,18 @@ the kernels with the same arguments (anna_gemv's and anna_qgemm's C signatures) 
 weights in this tree's layout (int4: revisions from f33805f on, where a unit's two blocks
 alternate); bf16 weights run in fp32 arithmetic with the built-in routing bounds unless
 --bf16-pair-max-rows or --bf16-dot-min-rows (vdpbf16ps from that M on) says otherwise.
---large-m times the avx2 level's large-M GEMM (csrc/panel_matmul.c, a prefill's matmuls past
-cpu_gemv_max_rows) on the bf16 weights instead; both revisions must have it.
+--large-m times the large-M GEMM of bf16 weights instead (a prefill's matmuls past
+cpu_gemv_max_rows): the avx2 level's (csrc/panel_matmul.c) or the amx level's on AMX tiles
+(csrc/tile_matmul.c); both revisions must have it. --amx-emulated builds both revisions at the amx
+level with the tile instructions emulated in C (csrc/amx_tiles.h), on any AVX-512 VNNI CPU: its
+timings say nothing of an AMX CPU, but the check that the two builds agree still holds.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -36,7 +41,8 @@ from anna.model.linear import interleave_rows, quantized_for_cpu_kernel
 from anna.model.quantization import quantize_int4
 from anna.platforms.base import BF16_PAIR_MAX_ROWS
 from anna.platforms.cpu.isa import detect_isa
-from anna.platforms.cpu.kernels import KERNEL_DIR, LEVEL_CFLAGS, kernel_build_level, load_kernels
+from anna.platforms.cpu.kernels import (AMX_EMULATED_CFLAGS, KERNEL_DIR, LEVEL_CFLAGS, kernel_build_level, load_kernels,
+                                        request_amx_tiles)
 
 SHAPES = {"qkv": (1152, 896), "o": (896, 896), "gate_up": (9728, 896), "down": (896, 4864), "lm_head": (151936, 896)}
 STREAMED_BYTES = 160 << 20  # weight copies per shape: well past the last-level cache
@@ -66,7 +72,10 @@ def main() -> None:
                     help="bf16 weights on vdpbf16ps from this M on, where the CPU has AVX512-BF16 "
                          "(cpu_bf16_dot_min_rows); 0: never")
     ap.add_argument("--large-m", action="store_true",
-                    help="the avx2 level's large-M GEMM (anna_panel_matmul) instead of the weight-streaming kernel")
+                    help="the large-M GEMM (avx2: anna_panel_matmul; amx: anna_tile_matmul) instead of the "
+                         "weight-streaming kernel")
+    ap.add_argument("--amx-emulated", action="store_true",
+                    help="both revisions at the amx level with emulated tiles (agreement only; the timings mean nothing)")
     ap.add_argument("--cache-dir", default="~/.cache/anna")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
@@ -75,12 +84,20 @@ def main() -> None:
     level = kernel_build_level(isa)
     if level is None:
         raise SystemExit(f"no kernel level on {isa.model_name}")
-    if args.large_m and (level != "avx2" or args.quantization != "none"):
-        raise SystemExit("--large-m: the avx2 level's GEMM of bf16 weights (--cpu-isa avx2, no --quantization)")
+    flags, name = LEVEL_CFLAGS[level], level
+    if args.amx_emulated:
+        if not isa.has("avx512_vnni"):
+            raise SystemExit(f"--amx-emulated: {isa.model_name} has no AVX-512 VNNI")
+        level, flags, name = "amx", AMX_EMULATED_CFLAGS, "amx_emulated"
+    elif level == "amx" and (refused := request_amx_tiles()):
+        raise SystemExit(f"Linux did not grant the AMX tiles ({os.strerror(refused)}): try --cpu-isa avx512_vnni")
+    if args.large_m and (level not in ("avx2", "amx") or args.quantization != "none"):
+        raise SystemExit("--large-m: the avx2 or amx level's GEMM of bf16 weights (--cpu-isa avx2 or an AMX CPU, "
+                         "no --quantization)")
     with tempfile.TemporaryDirectory() as tmp:
-        base = load_kernels(args.cache_dir, "", level, LEVEL_CFLAGS[level], name=f"{level}_base",
+        base = load_kernels(args.cache_dir, "", level, flags, name=f"{name}_base",
                             source_dir=base_sources(args.base, Path(tmp)))
-    tree = load_kernels(args.cache_dir, "", level, LEVEL_CFLAGS[level])
+    tree = load_kernels(args.cache_dir, "", level, flags, name=name)
     if base is None or tree is None:
         raise SystemExit("a build failed (see the warning above)")
 
@@ -94,14 +111,16 @@ def main() -> None:
         if args.quantization == "int4":
             return kernels.qgemm(x, w[0], w[1], 1, args.int4_group_size, None)
         if args.large_m:
-            return kernels.panel_matmul(x, w, None)
+            return kernels.tile_matmul(x, w, None) if level == "amx" else kernels.panel_matmul(x, w, None)
         return kernels.gemv(x, w, None, args.bf16_dot_min_rows, args.bf16_pair_max_rows)
 
     bytes_per_weight = 0.5 if args.quantization == "int4" else 2
     results = {"cpu": isa.model_name, "level": level, "threads": torch.get_num_threads(), "torch": torch.__version__,
                "machine": platform.machine(), "base": args.base, "quantization": args.quantization,
-               "bf16_dot_min_rows": args.bf16_dot_min_rows, "large_m": args.large_m, "rows": []}
-    print(f"{isa.model_name}, kernel level {level}, {torch.get_num_threads()} threads; base {args.base}")
+               "bf16_dot_min_rows": args.bf16_dot_min_rows, "large_m": args.large_m,
+               "amx_emulated": args.amx_emulated, "rows": []}
+    print(f"{isa.model_name}, kernel level {level}{' (tiles emulated)' if args.amx_emulated else ''}, "
+          f"{torch.get_num_threads()} threads; base {args.base}")
     torch.manual_seed(0)
     for name in args.shapes.split(","):
         n, k = SHAPES[name]
