@@ -40,6 +40,7 @@ import torch
 from anna.model.linear import interleave_rows, quantized_for_cpu_kernel
 from anna.model.quantization import quantize_int4
 from anna.platforms.base import BF16_PAIR_MAX_ROWS
+from anna.platforms.cpu import keep_freed_memory
 from anna.platforms.cpu.isa import detect_isa
 from anna.platforms.cpu.kernels import (AMX_EMULATED_CFLAGS, KERNEL_DIR, LEVEL_CFLAGS, kernel_build_level, load_kernels,
                                         request_amx_tiles)
@@ -79,6 +80,7 @@ def main() -> None:
     ap.add_argument("--cache-dir", default="~/.cache/anna")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
+    keep_freed_memory()  # as the engine runs: large outputs reuse freed memory, not fresh pages
 
     isa = detect_isa(force=args.cpu_isa)
     level = kernel_build_level(isa)

@@ -98,6 +98,44 @@ def int8_blocks(x: torch.Tensor) -> torch.Tensor:
 
 
 # int8: one scale per row (group 0) or per group (a GGUF's Q8_0: 32)
+@pytest.mark.parametrize("build", ["avx2", "avx512_vnni", "amx_emulated"])
+def test_int4_outputs_past_the_caches_keep_their_bits(build, cache_dir):
+    """An int4 output of 4 MiB or more (a 16-row step's logits) is written with non-temporal stores
+    where its rows are whole cache lines: each row must hold what a small call, whose output stays
+    in the caches, computes for it (bits), and stay exact given its int8 x. 65,536 rows (16 rows of
+    x: 4 MiB, streamed; 32 rows: the AMX tiles; the experts' grouped call) and 65,544 (an odd block
+    of 8: not streamed)."""
+    if build == "amx_emulated":
+        from conftest import amx_kernels
+        kernels = amx_kernels("emulated", cache_dir)
+    else:
+        kernels = kernels_at_level(build, cache_dir)
+    g = torch.Generator().manual_seed(7)
+    for n in (65536, 65544):
+        ops = CpuKernelOps(kernels, QuantFormat("int4", 32), LinearRouting(int4_matmul="packed"))
+        layer = QuantLinear(64, [n], bias=True, dtype=torch.float32, ops=ops)
+        layer.load("weight", 0, torch.randn(n, 64, generator=g) * 0.1, "w", "test")
+        layer.load("bias", 0, torch.randn(n, generator=g), "b", "test")
+        ref_w = dequantize_int4(layer.qweight, layer.scales, 32).double()
+        layer.interleave_for_cpu_kernel()
+        for m in (16, 32):
+            x = torch.randn(m, 64, generator=g)
+            out = layer(x)
+            small = torch.cat([layer(x[i:i + 2]) for i in range(0, m, 2)])  # 512 KB each: not streamed
+            assert torch.equal(out, small), (n, m)
+            ref = int8_blocks(x).double() @ ref_w.t() + layer.bias.double()
+            assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-5, (n, m)
+        # the experts' grouped call (a mixture-of-experts prefill): 8 MiB in all, in groups of 20 and 12 rows
+        x = torch.randn(32, 64, generator=g)
+        table = torch.tensor([layer.qweight.data_ptr()], dtype=torch.int64)
+        scales = torch.tensor([layer.scales.data_ptr()], dtype=torch.int64)
+        starts = torch.tensor([0, 20, 32], dtype=torch.int64)
+        out = kernels.qgemm_experts(x, table, scales, torch.tensor([0, 0]), starts, layer.kind, 32, n)
+        pairs = [kernels.qgemm_experts(x[i:i + 2], table, scales, torch.tensor([0]), torch.tensor([0, 2]), layer.kind,
+                                       32, n) for i in range(0, 32, 2)]
+        assert torch.equal(out, torch.cat(pairs)), n
+
+
 @pytest.mark.parametrize("kind, group", [("int8", 0), ("int8", 32), ("int8", 128), ("int4", 32), ("int4", 64),
                                          ("int4", 128)])
 # 107 rows; one block of 8 + 3; only a tail; more rows than one slice of int4_row_lanes (8,192)

@@ -155,6 +155,15 @@ INLINE __m256i unpack_q4_unsigned(const uint8_t *p) {
  * for int4 at M = 1 (a 0.5B model's 24 layers, weights from memory), 1.2x for its lm_head. */
 #define PREFETCH_BYTES 4096
 
+/* int4: outputs of this size or more are written past the caches (non-temporal stores) where their
+ * rows are whole cache lines (y 64-byte aligned, N a multiple of 16): no core's cache would keep
+ * them until they are read, and a normal store first reads each line in from memory. On a 2-vCPU
+ * Zen 4 (benchmarks/kernel_ab.py --quantization int4): the lm_head's logits at 16 rows (9.7 MB)
+ * 1.08-1.13x (1.08x at the avx2 level), at 64 rows 1.04-1.05x; a prefill's gate_up at 128 and
+ * 1,024 rows (5 and 40 MB) 1.02-1.03x; a 16-row step's gate_up (0.6 MB, read next from L2) stays
+ * in the caches. */
+#define STREAM_MIN_BYTES (4L << 20)
+
 /* log2 of the runs of 32 columns per group (G = 32, 64, 128): a shift, not a division per run */
 INLINE int group_shift(long G) { return G >= 128 ? 2 : G == 64 ? 1 : 0; }
 
@@ -237,7 +246,8 @@ static void run_s8(const int8_t *xq, const float *xs, const int8_t *w, const voi
  * l of run b is at b * run + l * TW * LANE_BYTES + t * LANE_BYTES (the layout above).
  * `prefetch`: the first pass over these weights asks for them PREFETCH_BYTES ahead. */
 INLINE void lane_tile(int TW, int TM, const uint8_t *w, const uint16_t *gs, const float *bias, const int8_t *xq,
-                      const float *xs, const int32_t *xo, long K, long G, float *y, long ystride, int prefetch) {
+                      const float *xs, const int32_t *xo, long K, long G, float *y, long ystride, int prefetch,
+                      int stream) {
     long blocks = K / 32;
     int gshift = group_shift(G);
     const __m256i low = _mm256_set1_epi8(0x0F);
@@ -291,8 +301,14 @@ INLINE void lane_tile(int TW, int TM, const uint8_t *w, const uint16_t *gs, cons
             }
         }
     }
-    for (int t = 0; t < TW; t++)
-        for (int m = 0; m < TM; m++) _mm256_storeu_ps(y + m * ystride + t * 8, accf[t][m]);
+    if (stream && TW == 2)  /* a unit's 16 outputs of a row: one whole line */
+        for (int m = 0; m < TM; m++) {
+            _mm256_stream_ps(y + m * ystride, accf[0][m]);
+            _mm256_stream_ps(y + m * ystride + 8, accf[1][m]);
+        }
+    else
+        for (int t = 0; t < TW; t++)
+            for (int m = 0; m < TM; m++) _mm256_storeu_ps(y + m * ystride + t * 8, accf[t][m]);
 }
 
 #if ANNA_VNNI
@@ -300,7 +316,8 @@ INLINE void lane_tile(int TW, int TM, const uint8_t *w, const uint16_t *gs, cons
  * first block in the low half), so each instruction serves 16 rows; the int32 sums, the fp32
  * operations and their order are lane_tile's, so the bits are too. */
 INLINE void lane_tile16(int TM, const uint8_t *w, const uint16_t *gs, const float *bias, const int8_t *xq,
-                        const float *xs, const int32_t *xo, long K, long G, float *y, long ystride, int prefetch) {
+                        const float *xs, const int32_t *xo, long K, long G, float *y, long ystride, int prefetch,
+                        int stream) {
     long blocks = K / 32;
     int gshift = group_shift(G);
     const __m512i low = _mm512_set1_epi8(0x0F);
@@ -327,7 +344,10 @@ INLINE void lane_tile16(int TM, const uint8_t *w, const uint16_t *gs, const floa
             accf[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[m]), _mm512_mul_ps(scale, _mm512_set1_ps(xs[m * blocks + b])),
                                       accf[m]);
     }
-    for (int m = 0; m < TM; m++) _mm512_storeu_ps(y + m * ystride, accf[m]);
+    if (stream)
+        for (int m = 0; m < TM; m++) _mm512_stream_ps(y + m * ystride, accf[m]);
+    else
+        for (int m = 0; m < TM; m++) _mm512_storeu_ps(y + m * ystride, accf[m]);
 }
 #endif
 
@@ -371,9 +391,9 @@ static void amx_unpack_unit(const uint8_t *w, long K, uint8_t *tiles) {
         }
 }
 
-/* TM (<= 16) rows of x times a unit whose B tiles are `tiles`: lane_tile16's result */
-INLINE void amx_tile16(int TM, const uint8_t *tiles, const uint16_t *gs, const float *bias,
-                       const int8_t *xq, const float *xs, const int32_t *xo, long K, long G, float *y, long ystride) {
+/* TM (<= 16) rows of x times a unit whose B tiles are `tiles`: lane_tile16's result, stored as it does */
+INLINE void amx_tile16(int TM, const uint8_t *tiles, const uint16_t *gs, const float *bias, const int8_t *xq,
+                       const float *xs, const int32_t *xo, long K, long G, float *y, long ystride, int stream) {
     long blocks = K / 32;
     int gshift = group_shift(G);
     int32_t sums[AMX_ROWS][16] __attribute__((aligned(64)));
@@ -392,13 +412,16 @@ INLINE void amx_tile16(int TM, const uint8_t *tiles, const uint16_t *gs, const f
                                       accf[m]);
         }
     }
-    for (int m = 0; m < TM; m++) _mm512_storeu_ps(y + m * ystride, accf[m]);
+    if (stream)
+        for (int m = 0; m < TM; m++) _mm512_stream_ps(y + m * ystride, accf[m]);
+    else
+        for (int m = 0; m < TM; m++) _mm512_storeu_ps(y + m * ystride, accf[m]);
 }
 
 /* int4 on tiles: units [u0, u1) for all M rows of x; each unit's B tiles are unpacked once per
  * AMX_X_BLOCK rows of x and serve all of them. */
 static void run_int4_amx(const int8_t *xq, const float *xs, const int32_t *xo, const uint8_t *w, const uint16_t *ws,
-                         const float *bias, float *y, long M, long N, long K, long G, long u0, long u1) {
+                         const float *bias, float *y, long M, long N, long K, long G, long u0, long u1, int stream) {
     long unit = 2 * LANE_ROWS, blocks = K / 32;
     uint8_t *tiles = (uint8_t *)aligned_alloc(64, blocks * AMX_RUN_BYTES);
     amx_configure();
@@ -414,9 +437,9 @@ static void run_int4_amx(const int8_t *xq, const float *xs, const int32_t *xo, c
                 const float *ms = xs + m * blocks;
                 const int32_t *mo = xo + m * blocks;
                 if (m1 - m >= AMX_ROWS)
-                    amx_tile16(AMX_ROWS, tiles, gp, bp, mq, ms, mo, K, G, y + m * N + n, N);
+                    amx_tile16(AMX_ROWS, tiles, gp, bp, mq, ms, mo, K, G, y + m * N + n, N, stream);
                 else
-                    amx_tile16((int)(m1 - m), tiles, gp, bp, mq, ms, mo, K, G, y + m * N + n, N);
+                    amx_tile16((int)(m1 - m), tiles, gp, bp, mq, ms, mo, K, G, y + m * N + n, N, stream);
             }
         }
     }
@@ -425,9 +448,11 @@ static void run_int4_amx(const int8_t *xq, const float *xs, const int32_t *xo, c
 }
 #endif
 
-/* int4: TW (1 or 2) blocks of 8 rows starting at row n, for rows [m0, m1) of x. */
+/* int4: TW (1 or 2) blocks of 8 rows starting at row n, for rows [m0, m1) of x; `stream`: a unit's
+ * outputs (TW = 2) written past the caches (STREAM_MIN_BYTES). The 16-row tiles take it as a
+ * constant: passed as a variable, the tiles that never stream ran 1-3% slower. */
 INLINE void run_lanes(int TW, const int8_t *xq, const float *xs, const int32_t *xo, const uint8_t *w, const uint16_t *ws,
-                      const float *bias, float *y, long N, long K, long G, long n, long m0, long m1) {
+                      const float *bias, float *y, long N, long K, long G, long n, long m0, long m1, int stream) {
     long blocks = K / 32;
     const uint8_t *wp = w + n * (K / 2);
     const uint16_t *gp = ws + n * (K / G);
@@ -437,8 +462,14 @@ INLINE void run_lanes(int TW, const int8_t *xq, const float *xs, const int32_t *
         for (long m = m0; m < m1; m += LANE_TILE_X16) {
             long tm = m1 - m < LANE_TILE_X16 ? m1 - m : LANE_TILE_X16;
 #define LANE_CASE(T) \
-    case T: lane_tile16(T, wp, gp, bp, xq + m * K, xs + m * blocks, xo + m * blocks, K, G, \
-                        y + m * N + n, N, m == m0); break;
+    case T: \
+        if (stream) \
+            lane_tile16(T, wp, gp, bp, xq + m * K, xs + m * blocks, xo + m * blocks, K, G, y + m * N + n, N, \
+                        m == m0, 1); \
+        else \
+            lane_tile16(T, wp, gp, bp, xq + m * K, xs + m * blocks, xo + m * blocks, K, G, y + m * N + n, N, \
+                        m == m0, 0); \
+        break;
             switch (tm) { LANE_CASE(1) LANE_CASE(2) LANE_CASE(3) LANE_CASE(4) LANE_CASE(5) LANE_CASE(6) LANE_CASE(7)
                           default: LANE_CASE(8) }
 #undef LANE_CASE
@@ -450,7 +481,7 @@ INLINE void run_lanes(int TW, const int8_t *xq, const float *xs, const int32_t *
         long tm = m1 - m < LANE_TILE_X ? m1 - m : LANE_TILE_X;
 #define LANE_CASE(T) \
     case T: lane_tile(TW, T, wp, gp, bp, xq + m * K, xs + m * blocks, xo + m * blocks, K, G, \
-                      y + m * N + n, N, m == m0); break;
+                      y + m * N + n, N, m == m0, stream); break;
         switch (tm) { LANE_CASE(1) LANE_CASE(2) LANE_CASE(3) default: LANE_CASE(4) }
 #undef LANE_CASE
     }
@@ -461,18 +492,19 @@ INLINE void run_lanes(int TW, const int8_t *xq, const float *xs, const int32_t *
  * cache, measured slower: the sums go through memory between passes); a unit's weights stay
  * in cache while X_BLOCK rows of x pass. */
 static void run_int4(const int8_t *xq, const float *xs, const int32_t *xo, const uint8_t *w, const uint16_t *ws,
-                     const float *bias, float *y, long M, long N, long K, long G, long u0, long u1, int odd) {
+                     const float *bias, float *y, long M, long N, long K, long G, long u0, long u1, int odd,
+                     int stream) {
     long unit = 2 * LANE_ROWS;
 #if ANNA_AMX
     if (M >= AMX_ROWS && u1 > u0) {  /* the units on tiles; the odd block of 8 rows below */
-        run_int4_amx(xq, xs, xo, w, ws, bias, y, M, N, K, G, u0, u1);
+        run_int4_amx(xq, xs, xo, w, ws, bias, y, M, N, K, G, u0, u1, stream);
         u0 = u1;
     }
 #endif
     for (long m0 = 0; m0 < M; m0 += X_BLOCK) {
         long m1 = m0 + X_BLOCK < M ? m0 + X_BLOCK : M;
-        for (long u = u0; u < u1; u++) run_lanes(2, xq, xs, xo, w, ws, bias, y, N, K, G, u * unit, m0, m1);
-        if (odd) run_lanes(1, xq, xs, xo, w, ws, bias, y, N, K, G, u1 * unit, m0, m1);
+        for (long u = u0; u < u1; u++) run_lanes(2, xq, xs, xo, w, ws, bias, y, N, K, G, u * unit, m0, m1, stream);
+        if (odd) run_lanes(1, xq, xs, xo, w, ws, bias, y, N, K, G, u1 * unit, m0, m1, 0);
     }
 }
 
@@ -498,8 +530,8 @@ int anna_amx_self_check(void) {
     for (long i = 0; i < N; i++) bias[i] = 0.25f * (float)(i % 5) - 0.5f;
     for (long m = 0; m < M; m++) quantize_x_row(x + m * K, xq + m * K, xs + m * BLOCKS, xo + m * BLOCKS, K);
     long unit = 2 * LANE_ROWS;
-    run_int4_amx(xq, xs, xo, w, ws, bias, tiles_y, M, N, K, G, 0, N / unit);
-    for (long u = 0; u < N / unit; u++) run_lanes(2, xq, xs, xo, w, ws, bias, lanes_y, N, K, G, u * unit, 0, M);
+    run_int4_amx(xq, xs, xo, w, ws, bias, tiles_y, M, N, K, G, 0, N / unit, 0);
+    for (long u = 0; u < N / unit; u++) run_lanes(2, xq, xs, xo, w, ws, bias, lanes_y, N, K, G, u * unit, 0, M, 0);
     int differ = 0;
     for (long i = 0; i < M * N; i++) differ += memcmp(&tiles_y[i], &lanes_y[i], sizeof(float)) != 0;
     return differ < 100 ? differ : 100;
@@ -523,6 +555,9 @@ static void qgemm_groups(const float *x, const void *const *w, const void *const
     long unit = kind == 0 ? PACK_ROWS : 2 * LANE_ROWS;  /* rows per unit of work */
     long packed = kind == 0 ? N / PACK_ROWS * PACK_ROWS : N / LANE_ROWS * LANE_ROWS, per_group = packed / unit;
     long units = per_group * groups;
+    /* int4 outputs too large for the caches go past them, where each row's units are whole lines */
+    int stream = kind == 1 && M * N * (long)sizeof(float) >= STREAM_MIN_BYTES && N % (2 * LANE_ROWS) == 0 &&
+                 (uintptr_t)y % 64 == 0;
     split_range ranges[SPLIT_MAX_THREADS];
     if (threads > SPLIT_MAX_THREADS) threads = SPLIT_MAX_THREADS;
     #pragma omp parallel num_threads(threads)
@@ -543,10 +578,11 @@ static void qgemm_groups(const float *x, const void *const *w, const void *const
                            y + m0 * N, rows, N, K, G, u0 * unit, u1 * unit);
                 else
                     run_int4(xq + m0 * K, xs + m0 * blocks, xo + m0 * blocks, (const uint8_t *)w[g],
-                             (const uint16_t *)ws[g], bias[g], y + m0 * N, rows, N, K, G, u0, u1, 0);
+                             (const uint16_t *)ws[g], bias[g], y + m0 * N, rows, N, K, G, u0, u1, 0, stream);
                 b += u1 - u0;
             }
         }
+        if (stream) _mm_sfence();  /* the streamed lines reach memory before the region ends */
         if (t == nt - 1) {
             for (long g = 0; g < groups; g++) {
                 long m0 = starts[g], rows = starts[g + 1] - m0;
@@ -557,7 +593,7 @@ static void qgemm_groups(const float *x, const void *const *w, const void *const
                 /* int4: the odd block of 8 rows; both kinds: the row-major tail rows */
                 if (kind == 1 && per_group * unit < packed)
                     run_int4(gq, gs, go, (const uint8_t *)w[g], (const uint16_t *)ws[g], bias[g], gy, rows, N, K, G,
-                             per_group, per_group, 1);
+                             per_group, per_group, 1, 0);
                 for (long n = packed; n < N; n++)
                     for (long m = 0; m < rows; m++)
                         gy[m * N + n] = row_dot(kind, w[g], ws[g], n, K, G, gq + m * K, gs + m * blocks,
