@@ -38,6 +38,7 @@ from anna.model.attention import PagedKV, kv_cache_shape
 from anna.model.kv_format import KVFormat
 from anna.platforms.cpu.kernels import CpuKernels, build_cpu_kernels
 from anna.platforms.cpu.host_memory import huge_page_zeros
+from anna.platforms.cpu.isa import detect_isa
 
 
 def make_caches(shape: tuple[int, ...], layers: int, huge_pages: bool, fmt: KVFormat) -> list[PagedKV]:
@@ -110,8 +111,10 @@ def main() -> None:
                     help="every sequence but the first holds this many tokens instead (one long request beside "
                          "short ones); 0 = all hold the context")
     ap.add_argument("--prefill", action="store_true", help="a prompt's causal attention instead (see above)")
+    ap.add_argument("--cpu-isa", default="auto", help="kernel level (a lower one than the CPU's forces its path; "
+                                                      "--baseline-kernels must be a build of the same level)")
     args = ap.parse_args()
-    kernels = build_cpu_kernels(args.cache_dir)
+    kernels = build_cpu_kernels(args.cache_dir, isa=detect_isa(force=args.cpu_isa))
     if kernels is None:
         raise SystemExit("Anna's CPU kernels could not be built on this machine")
     if args.prefill:
