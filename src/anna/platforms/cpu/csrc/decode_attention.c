@@ -94,9 +94,10 @@ INLINE void prefetch_positions(const uint8_t *cache, const PagedSeq *s, long p, 
     for (long j = 0; j < count; j++) prefetch_rows(paged_row(cache, s, p + j), 1, s->row_bytes, hint);
 }
 
-/* The next block's rows into L2, once a block (from the eight positions that p starts, when they
- * are its first): a block's rows are one run, but a sequence's blocks lie anywhere in the pool, so
- * the hardware's prefetchers cannot see the next run coming. On a 2-vCPU Zen 4
+/* The next block's key rows into L2, once a block (from the eight positions that p starts, when
+ * they are its first): a block's rows are one run, but a sequence's blocks lie anywhere in the
+ * pool, so the hardware's prefetchers cannot see the next run coming (the value rows are asked for
+ * into L2 while their keys are scored). On a 2-vCPU Zen 4
  * (benchmarks/attention_bench.py, fp32 KV from memory) 16 sequences ran 1.07-1.17x faster at 128
  * tokens, 1.17-1.28x at 1,024, 1.24-1.36x at 4,096 (the avx2 level alike); the whole block, not
  * its first rows (1.07-1.08x) or half (4% slower at 4,096); into L2, not L1 (1.05-1.09x).
@@ -108,8 +109,8 @@ INLINE void prefetch_next_block(const uint8_t *cache, const PagedSeq *s, long p,
                              _MM_HINT_T1);
 }
 
-/* The rows of positions p .. p + 7 as fp32 into rows[], asking for the next eight (up to n) and
- * the next block meanwhile: fp32 rows where they lie, others decoded into `scratch` [8, dim] (in L1). */
+/* The rows of positions p .. p + 7 as fp32 into rows[], asking for the next eight (up to n)
+ * meanwhile: fp32 rows where they lie, others decoded into `scratch` [8, dim] (in L1). */
 INLINE void paged_rows8(int kind, const uint8_t *cache, const PagedSeq *s, long p, long n, long dim, __m256 lo,
                         __m256 hi, float *scratch, const float *rows[8]) {
     for (int j = 0; j < 8; j++) {
@@ -127,7 +128,6 @@ INLINE void paged_rows8(int kind, const uint8_t *cache, const PagedSeq *s, long 
         }
         if (p + 8 + j < n) prefetch_rows(paged_row(cache, s, p + 8 + j), 1, s->row_bytes, _MM_HINT_T0);
     }
-    prefetch_next_block(cache, s, p, n);
 }
 
 INLINE const float *paged_row1(int kind, const uint8_t *cache, const PagedSeq *s, long p, long dim, __m256 lo,
@@ -487,6 +487,7 @@ INLINE void attend(int kind, const AnnaKVFormat *f, const float *qv, const uint8
         for (; dim % 8 == 0 && p + 8 <= t1; p += 8) {
             const float *kr[8];
             paged_rows8(kind, k_cache, seq, p, n, dim, lo, hi, scratch, kr);
+            prefetch_next_block(k_cache, seq, p, n);
             for (int j = 0; j < 8; j++) prefetch_rows(paged_row(v_cache, seq, p + j), 1, seq->row_bytes, _MM_HINT_T1);
 #ifdef __AVX512F__
             if (dim % 16 == 0) {
