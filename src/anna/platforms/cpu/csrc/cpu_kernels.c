@@ -23,7 +23,11 @@
  * reads one 64-byte line of bf16 weights. The last N % 4 rows, if any, follow row-major.
  * Python packs a weight once, after loading (linear.py: interleave_rows). K must be a multiple of 8. */
 #define PACK_ROWS 4
-#define PREFETCH_BYTES 1024  /* how far ahead of the current weight line to prefetch */
+/* How far ahead of the current weight line to prefetch: 4 KB, as the int4 kernel does. Over 1 KB
+ * on a 2-vCPU Zen 4: 0.98-1.09x per matmul at M = 1 (1.00-1.12x at the avx2 level;
+ * benchmarks/kernel_ab.py), batch-1 bf16 decode 40.8-44.0 tok/s against 31.0-41.5 (five
+ * alternated runs each of benchmarks/decode_bench.py, medians 42.4 and 39.1). */
+#define PREFETCH_BYTES 4096
 
 /* One block (4 rows of W, in type st, starting at blk) against MM rows of x (K apart):
  * y[m * N + n + r] for r < 4, m < MM. 4 x MM accumulators stay in registers; `prefetch` asks for
