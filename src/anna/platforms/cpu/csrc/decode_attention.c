@@ -97,11 +97,11 @@ INLINE void prefetch_positions(const uint8_t *cache, const PagedSeq *s, long p, 
 /* The next block's key rows into L2, once a block (from the eight positions that p starts, when
  * they are its first): a block's rows are one run, but a sequence's blocks lie anywhere in the
  * pool, so the hardware's prefetchers cannot see the next run coming (the value rows are asked for
- * into L2 while their keys are scored). On a 2-vCPU Zen 4
- * (benchmarks/attention_bench.py, fp32 KV from memory) 16 sequences ran 1.07-1.17x faster at 128
- * tokens, 1.17-1.28x at 1,024, 1.24-1.36x at 4,096 (the avx2 level alike); the whole block, not
- * its first rows (1.07-1.08x) or half (4% slower at 4,096); into L2, not L1 (1.05-1.09x).
- * A context already in L3 pays for the prefetches: one sequence of 512 tokens 0.94-0.97x. */
+ * into L2 while their keys are scored). On a 2-vCPU Zen 4 (benchmarks/attention_bench.py, fp32
+ * KV from memory) 16 sequences ran 1.13-1.18x faster at 128 tokens, 1.18x at 1,024, 1.22x at
+ * 4,096 (the avx2 level 1.14x, 1.20x, 1.26x); the whole block, not its first rows (1.07-1.08x) or
+ * half (4% slower at 4,096); into L2, not L1 (1.05-1.09x). A context already in L3 pays for the
+ * prefetches: one sequence of 512 tokens 0.97x. */
 INLINE void prefetch_next_block(const uint8_t *cache, const PagedSeq *s, long p, long n) {
     if (s->shift < 0 || (p & (s->block_size - 1)) >= 8) return;
     long q = (p & ~(s->block_size - 1)) + s->block_size;  /* the next block's first position */
@@ -294,7 +294,7 @@ INLINE void scores16_vnni(int kind, const uint8_t *const rows[16], const float *
  * come in one gather (from two bytes before each, so that nothing past a row is read). */
 #define ROWS16_AHEAD 32
 /* int8 rows of 16 sequences from memory (benchmarks/attention_bench.py, 2-vCPU Zen 4): 1.06-1.13x
- * at 1,024 tokens and 1.08-1.10x at 4,096 over ROWS16_AHEAD alone, one sequence 1.12x at 8,192 and
+ * at 1,024 tokens and 1.08-1.20x at 4,096 over ROWS16_AHEAD alone, one sequence 1.12x at 8,192 and
  * 1.23x at 32,768; 128 positions ahead as fast, 256 1.03-1.07x. turboquant4 rows (34 bytes, bound
  * by their decoding) ran 0.94-1.00x with it, so they go without. */
 #define ROWS16_AHEAD_L2 64
