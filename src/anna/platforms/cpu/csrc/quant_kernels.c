@@ -312,6 +312,14 @@ INLINE void lane_tile(int TW, int TM, const uint8_t *w, const uint16_t *gs, cons
 }
 
 #if ANNA_VNNI
+/* A 16-row tile's TM output rows of 16, written past the caches when `stream` (STREAM_MIN_BYTES) */
+INLINE void store_rows16(float *y, long ystride, const __m512 *accf, int TM, int stream) {
+    if (stream)
+        for (int m = 0; m < TM; m++) _mm512_stream_ps(y + m * ystride, accf[m]);
+    else
+        for (int m = 0; m < TM; m++) _mm512_storeu_ps(y + m * ystride, accf[m]);
+}
+
 /* int4, AVX-512 VNNI: lane_tile for a unit, its two blocks' vector l in one 512-bit vector (the
  * first block in the low half), so each instruction serves 16 rows; the int32 sums, the fp32
  * operations and their order are lane_tile's, so the bits are too. */
@@ -344,10 +352,7 @@ INLINE void lane_tile16(int TM, const uint8_t *w, const uint16_t *gs, const floa
             accf[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[m]), _mm512_mul_ps(scale, _mm512_set1_ps(xs[m * blocks + b])),
                                       accf[m]);
     }
-    if (stream)
-        for (int m = 0; m < TM; m++) _mm512_stream_ps(y + m * ystride, accf[m]);
-    else
-        for (int m = 0; m < TM; m++) _mm512_storeu_ps(y + m * ystride, accf[m]);
+    store_rows16(y, ystride, accf, TM, stream);
 }
 #endif
 
@@ -412,10 +417,7 @@ INLINE void amx_tile16(int TM, const uint8_t *tiles, const uint16_t *gs, const f
                                       accf[m]);
         }
     }
-    if (stream)
-        for (int m = 0; m < TM; m++) _mm512_stream_ps(y + m * ystride, accf[m]);
-    else
-        for (int m = 0; m < TM; m++) _mm512_storeu_ps(y + m * ystride, accf[m]);
+    store_rows16(y, ystride, accf, TM, stream);
 }
 
 /* int4 on tiles: units [u0, u1) for all M rows of x; each unit's B tiles are unpacked once per
