@@ -181,3 +181,23 @@ def test_commit_ahead_never_writes_blocks_in_use_nor_undoes_a_release(qwen2_dir,
     engine.add_request("again", prompt, params)
     assert drain(engine)["again"] == expected
     assert_pool_free(engine)
+
+
+def test_blocks_of_a_reset_prefix_cache_are_reused_before_fresh_memory(qwen2_dir, cache_dir):
+    """Blocks whose cached prefixes a reset forgot (warmup ends with one) have been written, so the
+    next requests get them before never-used blocks, whose first write is a page fault: RAM and the
+    resident chunks stay where the first request left them."""
+    engine = make(qwen2_dir, cache_dir, enable_prefix_caching=True)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    engine.add_request("first", [3 + i % 600 for i in range(240)], params)  # 16 blocks: chunk 0
+    drain(engine)
+    first = set(engine.memory.resident)
+    assert first == {0} and engine.kv.pool.cached
+    engine.reset_after_warmup()
+    assert not engine.kv.pool.cached
+    engine.add_request("second", [7 + (i * 13) % 600 for i in range(240)], params)
+    engine.step()
+    assert set(engine.kv.block_ids("second")) <= set(range(engine.memory.chunk_blocks))
+    drain(engine)
+    assert engine.memory.resident == first
+    assert_pool_free(engine)
