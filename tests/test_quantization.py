@@ -54,8 +54,8 @@ def test_int8_quantization_error_is_bounded():
 
 
 def make_layer(kind: str, group: int, kernels, strategy: str, out_features=(70, 37), k=256) -> QuantLinear:
-    """A loaded layer, still row-major. 107 rows: for int8, 26 blocks of 4 and 3 tail rows; for
-    int4, 6 pairs of blocks of 8, one odd block and 3 tail rows: every path of the kernels."""
+    """A loaded layer, still row-major. 107 rows: 6 pairs of blocks of 8, one odd block and 3 tail
+    rows (both kinds' layout): every path of the kernels."""
     quant = QuantFormat(kind, group, int8_group_size=group) if kind == "int8" else QuantFormat(kind, group)
     ops = CpuKernelOps(kernels, quant, LinearRouting(int4_matmul=strategy, int4_gemv_m_threshold=4))
     layer = QuantLinear(k, list(out_features), bias=True, dtype=torch.float32, ops=ops)
@@ -178,6 +178,29 @@ def test_int4_kernel_is_exact_at_the_largest_sums(signs, kernels):
         assert ((out - ref).norm() / ref.norm()).item() < 1e-6, m
 
 
+@pytest.mark.parametrize("group", [0, 32])
+def test_int8_kernel_is_exact_at_the_largest_products(group, kernels):
+    """int8 weights at +-127 against x at +-127, every sign pattern within each lane's 4 columns:
+    the VNNI build reads the weights as w + 128 (their top bit flipped) and starts each run's sum
+    at -128 * sum(x), the AVX2 build multiplies |w| by x carrying w's sign (maddubs pairs at their
+    largest, 2 x 127 x 127); both must end exact. 16 rows through a unit's lanes, 8 through the odd
+    block, 3 through the tail path, at 1 and 9 rows of x (a second tile)."""
+    k = 128
+    col = torch.arange(k)
+    ops = CpuKernelOps(kernels, QuantFormat("int8", 0, int8_group_size=group), LinearRouting())
+    layer = QuantLinear(k, [27], bias=False, dtype=torch.float32, ops=ops)
+    rows = torch.stack([torch.where((col + r) % 3 == 0, -1.0, 1.0) for r in range(27)])
+    layer.load("weight", 0, rows, "w", "test")
+    ref_w = dequantize_int8(layer.qweight, layer.scales, group).double()
+    assert layer.qweight.abs().min() == 127  # every weight at the largest size
+    layer.interleave_for_cpu_kernel()
+    for m in [1, 9]:
+        x = torch.stack([torch.where((col // (1 + i)) % 2 == 0, 1.0, -1.0) for i in range(m)])
+        ref = int8_blocks(x).double() @ ref_w.t()
+        out = layer(x).double()
+        assert ((out - ref).norm() / ref.norm()).item() < 1e-6, m
+
+
 @pytest.mark.parametrize("kind", ["int8", "int4"])
 def test_packed_kernel_rows_do_not_depend_on_the_thread_count(kind, kernels):
     """Threads share the output rows in chunks and take each other's leftovers (work_split.h):
@@ -201,9 +224,8 @@ def test_packed_kernel_rows_do_not_depend_on_the_thread_count(kind, kernels):
 @pytest.mark.parametrize("kind, group", [("int8", 0), ("int4", 32), ("int4", 128)])
 def test_expert_kernel_equals_one_call_per_expert(kind, group, kernels):
     """anna_qgemm_experts (several experts' matmuls in one call, as a mixture-of-experts layer
-    runs them) gives exactly what one qgemm per expert gives: with 107 rows per expert (int4: an
-    odd block of 8 and a tail; int8: a tail), groups of 1 to 9 rows, an unused expert and
-    experts out of order."""
+    runs them) gives exactly what one qgemm per expert gives: with 107 rows per expert (an odd
+    block of 8 and a tail), groups of 1 to 9 rows, an unused expert and experts out of order."""
     layers = []
     for seed in range(4):
         ops = CpuKernelOps(kernels, QuantFormat(kind, group or 32), LinearRouting(int4_matmul="packed"))

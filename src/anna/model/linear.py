@@ -7,12 +7,12 @@ fp32: torch's bf16/fp16 GEMM on CPUs without native half-precision matrix instru
 several times slower than its fp32 GEMM. benchmarks/matmul_routing.py measures the crossovers.
 
 When Anna's kernels serve a layer, its weight is stored with rows interleaved (``interleave_rows``):
-blocks of 4 rows whose columns alternate in chunks (8 values; int8: 32 weights), so that the
-kernel streams one contiguous block instead of four short rows (about 20% more memory bandwidth
-at K = 896 on a 2-core Zen 3). int4 weights go one step further (``int4_row_lanes``): blocks of 8
-rows with one row per 32-bit lane, which lets the kernel's integer dot products serve 8 rows per
-instruction without horizontal sums, in pairs whose vectors alternate so that the kernel reads
-one contiguous stream.
+blocks of 4 rows whose columns alternate in chunks of 8 values, so that the kernel streams one
+contiguous block instead of four short rows (about 20% more memory bandwidth at K = 896 on a
+2-core Zen 3). Quantized weights go one step further (``int4_row_lanes``, ``int8_row_lanes``):
+blocks of 8 rows with one row per 32-bit lane, which lets the kernel's integer dot products serve
+8 rows (16 with AVX-512) per instruction without horizontal sums, in pairs whose vectors
+alternate so that the kernel reads one contiguous stream.
 """
 
 from __future__ import annotations
@@ -59,6 +59,21 @@ def int4_row_lanes(qweight: torch.Tensor) -> torch.Tensor:
     return pair_blocks(out, LANE_BYTES)
 
 
+def int8_row_lanes(qweight: torch.Tensor) -> torch.Tensor:
+    """int8 [N, K] row-major -> quant_kernels.c's row lanes: per block of 8 rows and run of 32
+    columns k0.., 8 vectors of 32 bytes, byte 4j + i of vector l holding row j's weight k0 + 4l + i;
+    blocks in pairs whose vectors alternate (``pair_blocks``). The last N % 8 rows stay as they are."""
+    n, k = qweight.shape
+    full = n - n % LANE_ROWS
+    out = qweight.clone()
+    step = LANE_ROWS * 1024  # rows per pass, so that the lm_head's copy is not made whole at once
+    for start in range(0, full, step):
+        rows = min(step, full - start)
+        lanes = qweight[start:start + rows].view(rows // LANE_ROWS, LANE_ROWS, k // INT4_BLOCK, 8, 4)
+        out[start:start + rows] = lanes.permute(0, 2, 3, 1, 4).reshape(rows, k)  # [block, run, l, row j, i]
+    return pair_blocks(out, LANE_BYTES)
+
+
 def pair_blocks(blocked: torch.Tensor, chunk: int) -> torch.Tensor:
     """Rows in blocks of LANE_ROWS, each block's values in chunks of ``chunk`` -> pairs of blocks
     whose chunks alternate (the first block's chunk 0, the second's, then chunk 1 of each, ...), as
@@ -74,11 +89,12 @@ def pair_blocks(blocked: torch.Tensor, chunk: int) -> torch.Tensor:
 def quantized_for_cpu_kernel(kind: int, qweight: torch.Tensor,
                              scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Values and scales (row-major, as quantized) in the layout quant_kernels.c reads: int8
-    (kind 0) rows interleaved every 32 weights; int4 (kind 1) in row lanes, group scales in
-    blocks of 8 rows alternating every group, paired as the values are."""
-    if kind == 0:
-        return interleave_rows(qweight, 32), scales
-    return int4_row_lanes(qweight), pair_blocks(interleave_rows(scales, 1, LANE_ROWS), LANE_ROWS)
+    (kind 0) and int4 (kind 1) values in row lanes; group scales in blocks of 8 rows alternating
+    every group, paired as the values are (int8's row scales, one per row, stay as they are)."""
+    if kind == 0 and scales.dim() == 1:
+        return int8_row_lanes(qweight), scales
+    values = int8_row_lanes(qweight) if kind == 0 else int4_row_lanes(qweight)
+    return values, pair_blocks(interleave_rows(scales, 1, LANE_ROWS), LANE_ROWS)
 
 
 def gather_interleaved_rows(packed: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

@@ -220,7 +220,8 @@ class CpuPlatform(Platform):
         return f"cpu-{torch.backends.cpu.get_cpu_capability()}"
 
     def kernel_layout(self, ops: ModelOps) -> str:
-        return "cpu-kernels" if ops.kernels is not None else "row-major"
+        # (named anew when the kernels' layout changes, so that a cache of the old one is not read)
+        return "cpu-kernels-int8-lanes" if ops.kernels is not None else "row-major"
 
     def decode_executor(self, choice: str, model: torch.nn.Module, ops: ModelOps, *, profiling: bool,
                         max_num_seqs: int, max_model_len: int, block_size: int) -> Any:

@@ -239,8 +239,8 @@ class CpuKernels:
 
     def qgemm(self, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, kind: int, group: int,
               bias: torch.Tensor | None) -> torch.Tensor:
-        """y = x dequant(W)^T (+ b) from int8 (kind 0) or int4 (kind 1) weights in linear.interleave_rows'
-        layout (QuantLinear.interleave_for_cpu_kernel)."""
+        """y = x dequant(W)^T (+ b) from int8 (kind 0) or int4 (kind 1) weights in the layout of
+        linear.quantized_for_cpu_kernel (QuantLinear.interleave_for_cpu_kernel)."""
         k = x.shape[-1]
         x2 = x.reshape(-1, k).float().contiguous()
         rows, n = x2.shape[0], qweight.shape[0]

@@ -7,9 +7,12 @@
  * llama.cpp does; K must be a multiple of 32. One call reads each weight row once for all M rows
  * of x (a tile of rows stays in cache meanwhile). linear.py packs the tensors once, after loading.
  *
- * int8 layout ("interleaved rows", as in cpu_kernels.c): rows in blocks of 4; within a block, each
- * 32-weight run of the 4 rows is contiguous (4 x 32 bytes), so a block is one stream, not four
- * short rows. The last N % 4 rows follow row-major. Group scales (G > 0) stay row-major, [N][K / G].
+ * Both kinds are stored in "row lanes" (below), which the same tiles and drivers read; int8 simply
+ * has 8 vectors per block and run (a row's 32 weights, 4 to a lane) where int4 has 4, and its row
+ * scales (G = 0, fp32 [N]) are one vector per block. An int8 weight w is read as the unsigned byte
+ * w + 128 (its bits with the top one flipped) where the dot products need an unsigned operand
+ * (VNNI): a row's sum of a run then starts at -128 * sum(x), 16 times int4's start. The AVX2
+ * build multiplies |w| by x carrying w's sign instead (maddubs on w + 128 would saturate).
  *
  * int4 layout ("row lanes"): rows in blocks of 8, one row per 32-bit lane of a vector. For each
  * run of 32 input columns k0..k0+31, a block holds 4 vectors of 32 bytes; in vector l, byte
@@ -144,13 +147,13 @@ INLINE __m256i unpack_q4_unsigned(const uint8_t *p) {
     return _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
 }
 
-#define PACK_ROWS 4   /* int8 */
-#define LANE_ROWS 8   /* int4 */
+#define LANE_ROWS 8   /* rows per block (one per 32-bit lane of a 256-bit vector) */
 #define LANE_TILE_X 4 /* rows of x per int4 tile */
 #define LANE_TILE_X16 8 /* the same for the VNNI build's 16-row tiles (32 vector registers) */
 #define X_BLOCK 64    /* int4: rows of x per pass over a thread's weights (at K = 4864, 311 KB: in L2) */
-#define LANE_BYTES 32 /* int4: one vector of a block's run (8 rows x 4 bytes) */
+#define LANE_BYTES 32 /* one vector of a block's run (8 rows x 4 bytes) */
 #define UNIT_RUN_BYTES (8 * LANE_BYTES) /* int4: a unit's run of 32 columns (2 blocks x 4 vectors) */
+#define S8_VECTORS 8  /* int8: vectors of a block's run of 32 columns (int4: 4) */
 /* How far ahead the first pass over the weights asks for them: 4 KB measured 1.03-1.16x over 1 KB
  * for int4 at M = 1 (a 0.5B model's 24 layers, weights from memory), 1.2x for its lm_head. */
 #define PREFETCH_BYTES 4096
@@ -201,44 +204,17 @@ INLINE float row_dot(int kind, const void *w, const void *ws, long n, long K, lo
     return hsum(acc) - offset;
 }
 
-/* int8: one block of 4 packed rows (starting at `blk`) against one row of x: four independent
- * accumulators; `prefetch` asks for the lines PREFETCH_BYTES ahead. G > 0: each run is scaled by
- * its group's scale (constant after inlining into run_s8's two loops, so the row-scale path keeps
- * its one multiply per run). */
-INLINE void rows4_dot_s8(const int8_t *blk, const void *ws, long n, long K, long G, const int8_t *xq,
-                         const float *xs, int prefetch, float out[4]) {
-    long blocks = K / 32, step = PACK_ROWS * 32, groups = G ? K / G : 0;
-    int gshift = group_shift(G);
-    const uint16_t *gs = (const uint16_t *)ws + n * groups;  /* G > 0: the 4 rows' group scales */
-    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-    for (long b = 0; b < blocks; b++) {
-        const int8_t *p = blk + b * step;
-        if (prefetch) {
-            _mm_prefetch((const char *)p + PREFETCH_BYTES, _MM_HINT_T0);
-            _mm_prefetch((const char *)p + PREFETCH_BYTES + 64, _MM_HINT_T0);
+/* TW blocks' TM output rows of 8; a unit's 16 outputs of a row (one whole line) are written past
+ * the caches when `stream` (STREAM_MIN_BYTES) */
+INLINE void store_rows8(int TW, int TM, __m256 accf[2][LANE_TILE_X], float *y, long ystride, int stream) {
+    if (stream && TW == 2)
+        for (int m = 0; m < TM; m++) {
+            _mm256_stream_ps(y + m * ystride, accf[0][m]);
+            _mm256_stream_ps(y + m * ystride + 8, accf[1][m]);
         }
-        __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + b * 32));
-        for (int r = 0; r < 4; r++) {
-            __m256i dot = dot_s8(_mm256_loadu_si256((const __m256i *)(p + r * 32)), xv);
-            __m256 sc = _mm256_set1_ps(G ? xs[b] * _cvtsh_ss(gs[r * groups + (b >> gshift)]) : xs[b]);
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), sc, acc[r]);
-        }
-    }
-    for (int r = 0; r < 4; r++) out[r] = hsum(acc[r]) * s8_row_scale(ws, n + r, G);
-}
-
-/* int8: rows [b, e) of the packed part (multiples of 4) for all M rows of x. */
-static void run_s8(const int8_t *xq, const float *xs, const int8_t *w, const void *ws, const float *bias, float *y,
-                   long M, long N, long K, long G, long b, long e) {
-    for (long n = b; n < e; n += PACK_ROWS)
-        for (long m = 0; m < M; m++) {
-            float out[4];
-            if (G)
-                rows4_dot_s8(w + n * K, ws, n, K, G, xq + m * K, xs + m * (K / 32), m == 0, out);
-            else
-                rows4_dot_s8(w + n * K, ws, n, K, 0, xq + m * K, xs + m * (K / 32), m == 0, out);
-            for (int r = 0; r < 4; r++) y[m * N + n + r] = out[r] + (bias ? bias[n + r] : 0.0f);
-        }
+    else
+        for (int t = 0; t < TW; t++)
+            for (int m = 0; m < TM; m++) _mm256_storeu_ps(y + m * ystride + t * 8, accf[t][m]);
 }
 
 /* int4: a unit (TW = 2) or a lone block (TW = 1) of 8 rows each (w; its scales gs; its bias or
@@ -301,14 +277,70 @@ INLINE void lane_tile(int TW, int TM, const uint8_t *w, const uint16_t *gs, cons
             }
         }
     }
-    if (stream && TW == 2)  /* a unit's 16 outputs of a row: one whole line */
-        for (int m = 0; m < TM; m++) {
-            _mm256_stream_ps(y + m * ystride, accf[0][m]);
-            _mm256_stream_ps(y + m * ystride + 8, accf[1][m]);
-        }
-    else
+    store_rows8(TW, TM, accf, y, ystride, stream);
+}
+
+
+/* int8: ask for a run's weights: `prefetch`, PREFETCH_BYTES on in the tile's own stream, into L1;
+ * `next` (bytes; 0: none), the next unit's run, into L2 (it is read a tile later) */
+INLINE void s8_prefetch_run(const char *p, long run, int prefetch, long next) {
+    if (prefetch)
+        for (long off = 0; off < run; off += 64) _mm_prefetch(p + off + PREFETCH_BYTES, _MM_HINT_T0);
+    if (next)
+        for (long off = 0; off < run; off += 64) _mm_prefetch(p + off + next, _MM_HINT_T1);
+}
+
+/* int8, the counterpart of lane_tile: TW blocks of 8 rows against TM rows of x. ws: the unit's
+ * row scales (fp32, G = 0), applied with the bias once the runs are summed, or its group scales
+ * (fp16, laid out as int4's), applied per run. The int32 sums and fp32 operations are
+ * lane_tile16_s8's, so both builds give the same bits. */
+INLINE void lane_tile_s8(int TW, int TM, const int8_t *w, const void *ws, long G, const float *bias,
+                         const int8_t *xq, const float *xs, long K, float *y, long ystride, int prefetch, long next,
+                         int stream) {
+    long blocks = K / 32;
+    int gshift = group_shift(G);
+    const long run = S8_VECTORS * TW * LANE_BYTES;
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 accf[2][LANE_TILE_X];
+    for (int t = 0; t < TW; t++)
+        for (int m = 0; m < TM; m++) accf[t][m] = G && bias ? _mm256_loadu_ps(bias + t * 8) : _mm256_setzero_ps();
+    for (long b = 0; b < blocks; b++) {
+        __m256i acc[2][LANE_TILE_X];
         for (int t = 0; t < TW; t++)
-            for (int m = 0; m < TM; m++) _mm256_storeu_ps(y + m * ystride + t * 8, accf[t][m]);
+            for (int m = 0; m < TM; m++) acc[t][m] = _mm256_setzero_si256();
+        s8_prefetch_run((const char *)(w + b * run), run, prefetch, next);
+        _Pragma("GCC unroll 1") for (int l = 0; l < S8_VECTORS; l++) {
+            __m256i wv[2], aw[2];
+            for (int t = 0; t < TW; t++) {
+                wv[t] = _mm256_loadu_si256((const __m256i *)(w + b * run + (l * TW + t) * LANE_BYTES));
+                aw[t] = _mm256_sign_epi8(wv[t], wv[t]);
+            }
+            for (int m = 0; m < TM; m++) {
+                __m256i xv = _mm256_set1_epi32(*(const int32_t *)(xq + m * K + b * 32 + 4 * l));
+                for (int t = 0; t < TW; t++) {  /* |w| times x with w's sign: pairs at most 2 x 127 x 127 */
+                    __m256i pairs = _mm256_maddubs_epi16(aw[t], _mm256_sign_epi8(xv, wv[t]));
+                    acc[t][m] = _mm256_add_epi32(acc[t][m], _mm256_madd_epi16(pairs, ones));
+                    KEEP_IN_REGISTER(acc[t][m]);
+                }
+            }
+        }
+        for (int t = 0; t < TW; t++) {
+            __m256 scale = G ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)ws +
+                                                                                  ((b >> gshift) * TW + t) * LANE_ROWS)))
+                             : _mm256_setzero_ps();
+            for (int m = 0; m < TM; m++) {
+                __m256 sx = _mm256_set1_ps(xs[m * blocks + b]);
+                accf[t][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[t][m]), G ? _mm256_mul_ps(scale, sx) : sx, accf[t][m]);
+            }
+        }
+    }
+    if (!G)
+        for (int t = 0; t < TW; t++) {
+            __m256 rs = _mm256_loadu_ps((const float *)ws + t * 8);
+            __m256 bv = bias ? _mm256_loadu_ps(bias + t * 8) : _mm256_setzero_ps();
+            for (int m = 0; m < TM; m++) accf[t][m] = _mm256_fmadd_ps(accf[t][m], rs, bv);
+        }
+    store_rows8(TW, TM, accf, y, ystride, stream);
 }
 
 #if ANNA_VNNI
@@ -351,6 +383,40 @@ INLINE void lane_tile16(int TM, const uint8_t *w, const uint16_t *gs, const floa
         for (int m = 0; m < TM; m++)
             accf[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[m]), _mm512_mul_ps(scale, _mm512_set1_ps(xs[m * blocks + b])),
                                       accf[m]);
+    }
+    store_rows16(y, ystride, accf, TM, stream);
+}
+/* int8, AVX-512 VNNI: lane_tile_s8 for a unit, its two blocks' vector l in one 512-bit vector,
+ * read as w + 128 against x, so each vpdpbusd serves 16 rows; the sums start at -128 * sum(x). */
+INLINE void lane_tile16_s8(int TM, const int8_t *w, const void *ws, long G, const float *bias, const int8_t *xq,
+                           const float *xs, const int32_t *xo, long K, float *y, long ystride, int prefetch,
+                           long next, int stream) {
+    long blocks = K / 32;
+    int gshift = group_shift(G);
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    const long run = 2 * S8_VECTORS * LANE_BYTES;
+    __m512 accf[LANE_TILE_X16];
+    for (int m = 0; m < TM; m++) accf[m] = G && bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
+    for (long b = 0; b < blocks; b++) {
+        __m512i acc[LANE_TILE_X16];
+        for (int m = 0; m < TM; m++) acc[m] = _mm512_set1_epi32(16 * xo[m * blocks + b]);
+        s8_prefetch_run((const char *)(w + b * run), run, prefetch, next);
+        _Pragma("GCC unroll 1") for (int l = 0; l < S8_VECTORS; l++) {
+            __m512i v = _mm512_xor_si512(_mm512_loadu_si512(w + b * run + l * 2 * LANE_BYTES), flip);
+            for (int m = 0; m < TM; m++)
+                acc[m] = _mm512_dpbusd_epi32(acc[m], v, _mm512_set1_epi32(*(const int32_t *)(xq + m * K + b * 32 + 4 * l)));
+        }
+        __m512 scale = G ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)ws +
+                                                                                 (b >> gshift) * 2 * LANE_ROWS)))
+                         : _mm512_setzero_ps();
+        for (int m = 0; m < TM; m++) {
+            __m512 sx = _mm512_set1_ps(xs[m * blocks + b]);
+            accf[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[m]), G ? _mm512_mul_ps(scale, sx) : sx, accf[m]);
+        }
+    }
+    if (!G) {
+        __m512 rs = _mm512_loadu_ps((const float *)ws), bv = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
+        for (int m = 0; m < TM; m++) accf[m] = _mm512_fmadd_ps(accf[m], rs, bv);
     }
     store_rows16(y, ystride, accf, TM, stream);
 }
@@ -450,31 +516,42 @@ static void run_int4_amx(const int8_t *xq, const float *xs, const int32_t *xo, c
 }
 #endif
 
-/* int4: TW (1 or 2) blocks of 8 rows starting at row n, for rows [m0, m1) of x; `stream`: a unit's
- * outputs (TW = 2) written past the caches (STREAM_MIN_BYTES). The 16-row tiles take it as a
- * constant: passed as a variable, the tiles that never stream ran 1-3% slower. */
-INLINE void run_lanes(int TW, const int8_t *xq, const float *xs, const int32_t *xo, const uint8_t *w, const uint16_t *ws,
-                      const float *bias, float *y, long N, long K, long G, long n, long m0, long m1, int stream) {
+/* int8: the first tile of a unit's pass asks for the unit's weights ahead in its stream; the
+ * second asks for the next unit's (a unit's bytes on), so that memory keeps streaming while it
+ * runs from cache: at int8's bytes per operation the first tile alone left memory idle meanwhile. */
+INLINE long s8_next(long m, long tile, long K) { return m == tile ? 2 * LANE_ROWS * K : 0; }
+
+/* TW (1 or 2) blocks of 8 rows starting at row n, kind 0 (int8) or 1 (int4), for rows [m0, m1)
+ * of x; `stream`: a unit's outputs (TW = 2) written past the caches (STREAM_MIN_BYTES). The 16-row
+ * tiles take it as a constant: passed as a variable, the int4 tiles that never stream ran 1-3%
+ * slower. */
+INLINE void run_lanes(int kind, int TW, const int8_t *xq, const float *xs, const int32_t *xo, const void *w,
+                      const void *ws, const float *bias, float *y, long N, long K, long G, long n, long m0, long m1,
+                      int stream) {
     long blocks = K / 32;
-    const uint8_t *wp = w + n * (K / 2);
-    const uint16_t *gp = ws + n * (K / G);
+    const uint8_t *wp = (const uint8_t *)w + n * (kind ? K / 2 : K);
+    /* the blocks' scales: int8's per row (fp32), or per group (fp16) */
+    const void *sp = kind == 0 && !G ? (const void *)((const float *)ws + n)
+                                     : (const void *)((const uint16_t *)ws + n * (K / G));
     const float *bp = bias ? bias + n : NULL;
 #if ANNA_VNNI
     if (TW == 2) {  /* 32 registers: tiles of up to LANE_TILE_X16 rows of x */
         for (long m = m0; m < m1; m += LANE_TILE_X16) {
             long tm = m1 - m < LANE_TILE_X16 ? m1 - m : LANE_TILE_X16;
+#define TILE16(T, S) \
+    (kind ? lane_tile16(T, wp, (const uint16_t *)sp, bp, xq + m * K, xs + m * blocks, xo + m * blocks, K, G, \
+                        y + m * N + n, N, m == m0, S) \
+          : lane_tile16_s8(T, (const int8_t *)wp, sp, G, bp, xq + m * K, xs + m * blocks, xo + m * blocks, K, \
+                           y + m * N + n, N, m == m0, s8_next(m - m0, LANE_TILE_X16, K), S))
 #define LANE_CASE(T) \
     case T: \
-        if (stream) \
-            lane_tile16(T, wp, gp, bp, xq + m * K, xs + m * blocks, xo + m * blocks, K, G, y + m * N + n, N, \
-                        m == m0, 1); \
-        else \
-            lane_tile16(T, wp, gp, bp, xq + m * K, xs + m * blocks, xo + m * blocks, K, G, y + m * N + n, N, \
-                        m == m0, 0); \
+        if (stream) TILE16(T, 1); \
+        else TILE16(T, 0); \
         break;
             switch (tm) { LANE_CASE(1) LANE_CASE(2) LANE_CASE(3) LANE_CASE(4) LANE_CASE(5) LANE_CASE(6) LANE_CASE(7)
                           default: LANE_CASE(8) }
 #undef LANE_CASE
+#undef TILE16
         }
         return;
     }
@@ -482,31 +559,38 @@ INLINE void run_lanes(int TW, const int8_t *xq, const float *xs, const int32_t *
     for (long m = m0; m < m1; m += LANE_TILE_X) {
         long tm = m1 - m < LANE_TILE_X ? m1 - m : LANE_TILE_X;
 #define LANE_CASE(T) \
-    case T: lane_tile(TW, T, wp, gp, bp, xq + m * K, xs + m * blocks, xo + m * blocks, K, G, \
-                      y + m * N + n, N, m == m0, stream); break;
+    case T: \
+        if (kind) \
+            lane_tile(TW, T, wp, (const uint16_t *)sp, bp, xq + m * K, xs + m * blocks, xo + m * blocks, K, G, \
+                      y + m * N + n, N, m == m0, stream); \
+        else \
+            lane_tile_s8(TW, T, (const int8_t *)wp, sp, G, bp, xq + m * K, xs + m * blocks, K, y + m * N + n, N, \
+                         m == m0, TW == 2 ? s8_next(m - m0, LANE_TILE_X, K) : 0, stream); \
+        break;
         switch (tm) { LANE_CASE(1) LANE_CASE(2) LANE_CASE(3) default: LANE_CASE(4) }
 #undef LANE_CASE
     }
 }
 
-/* int4: a chunk of units of 2 blocks of 8 rows, [u0, u1), plus the odd block of 8 rows when
- * `odd`. A tile runs over all of K at once (passes over parts of K, which keep less of x in
- * cache, measured slower: the sums go through memory between passes); a unit's weights stay
- * in cache while X_BLOCK rows of x pass. */
-static void run_int4(const int8_t *xq, const float *xs, const int32_t *xo, const uint8_t *w, const uint16_t *ws,
-                     const float *bias, float *y, long M, long N, long K, long G, long u0, long u1, int odd,
-                     int stream) {
+/* A chunk of units of 2 blocks of 8 rows, [u0, u1), plus the odd block of 8 rows when `odd`. A
+ * tile runs over all of K at once (passes over parts of K, which keep less of x in cache,
+ * measured slower: the sums go through memory between passes); a unit's weights stay in cache
+ * while X_BLOCK rows of x pass. */
+INLINE void run_units(int kind, const int8_t *xq, const float *xs, const int32_t *xo, const void *w, const void *ws,
+                      const float *bias, float *y, long M, long N, long K, long G, long u0, long u1, int odd,
+                      int stream) {
     long unit = 2 * LANE_ROWS;
 #if ANNA_AMX
-    if (M >= AMX_ROWS && u1 > u0) {  /* the units on tiles; the odd block of 8 rows below */
-        run_int4_amx(xq, xs, xo, w, ws, bias, y, M, N, K, G, u0, u1, stream);
+    if (kind == 1 && M >= AMX_ROWS && u1 > u0) {  /* int4's units on tiles; the odd block of 8 rows below */
+        run_int4_amx(xq, xs, xo, (const uint8_t *)w, (const uint16_t *)ws, bias, y, M, N, K, G, u0, u1, stream);
         u0 = u1;
     }
 #endif
     for (long m0 = 0; m0 < M; m0 += X_BLOCK) {
         long m1 = m0 + X_BLOCK < M ? m0 + X_BLOCK : M;
-        for (long u = u0; u < u1; u++) run_lanes(2, xq, xs, xo, w, ws, bias, y, N, K, G, u * unit, m0, m1, stream);
-        if (odd) run_lanes(1, xq, xs, xo, w, ws, bias, y, N, K, G, u1 * unit, m0, m1, 0);
+        for (long u = u0; u < u1; u++)
+            run_lanes(kind, 2, xq, xs, xo, w, ws, bias, y, N, K, G, u * unit, m0, m1, stream);
+        if (odd) run_lanes(kind, 1, xq, xs, xo, w, ws, bias, y, N, K, G, u1 * unit, m0, m1, 0);
     }
 }
 
@@ -533,7 +617,7 @@ int anna_amx_self_check(void) {
     for (long m = 0; m < M; m++) quantize_x_row(x + m * K, xq + m * K, xs + m * BLOCKS, xo + m * BLOCKS, K);
     long unit = 2 * LANE_ROWS;
     run_int4_amx(xq, xs, xo, w, ws, bias, tiles_y, M, N, K, G, 0, N / unit, 0);
-    for (long u = 0; u < N / unit; u++) run_lanes(2, xq, xs, xo, w, ws, bias, lanes_y, N, K, G, u * unit, 0, M, 0);
+    for (long u = 0; u < N / unit; u++) run_lanes(1, 2, xq, xs, xo, w, ws, bias, lanes_y, N, K, G, u * unit, 0, M, 0);
     int differ = 0;
     for (long i = 0; i < M * N; i++) differ += memcmp(&tiles_y[i], &lanes_y[i], sizeof(float)) != 0;
     return differ < 100 ? differ : 100;
@@ -554,12 +638,11 @@ static void qgemm_groups(const float *x, const void *const *w, const void *const
     memset(xq + M * K, 0, 16 * K);
     float *xs = (float *)malloc(sizeof(float) * M * blocks);
     int32_t *xo = (int32_t *)malloc(sizeof(int32_t) * M * blocks);
-    long unit = kind == 0 ? PACK_ROWS : 2 * LANE_ROWS;  /* rows per unit of work */
-    long packed = kind == 0 ? N / PACK_ROWS * PACK_ROWS : N / LANE_ROWS * LANE_ROWS, per_group = packed / unit;
+    long unit = 2 * LANE_ROWS;  /* rows per unit of work */
+    long packed = N / LANE_ROWS * LANE_ROWS, per_group = packed / unit;
     long units = per_group * groups;
-    /* int4 outputs too large for the caches go past them, where each row's units are whole lines */
-    int stream = kind == 1 && M * N * (long)sizeof(float) >= STREAM_MIN_BYTES && N % (2 * LANE_ROWS) == 0 &&
-                 (uintptr_t)y % 64 == 0;
+    /* outputs too large for the caches go past them, where each row's units are whole lines */
+    int stream = M * N * (long)sizeof(float) >= STREAM_MIN_BYTES && N % unit == 0 && (uintptr_t)y % 64 == 0;
     split_range ranges[SPLIT_MAX_THREADS];
     if (threads > SPLIT_MAX_THREADS) threads = SPLIT_MAX_THREADS;
     #pragma omp parallel num_threads(threads)
@@ -575,12 +658,12 @@ static void qgemm_groups(const float *x, const void *const *w, const void *const
                 long g = b / per_group, u0 = b - g * per_group, u1 = e - g * per_group;
                 if (u1 > per_group) u1 = per_group;
                 long m0 = starts[g], rows = starts[g + 1] - m0;
-                if (kind == 0)
-                    run_s8(xq + m0 * K, xs + m0 * blocks, (const int8_t *)w[g], ws[g], bias[g],
-                           y + m0 * N, rows, N, K, G, u0 * unit, u1 * unit);
+                if (kind == 0)  /* (each kind's tiles inlined on their own) */
+                    run_units(0, xq + m0 * K, xs + m0 * blocks, xo + m0 * blocks, w[g], ws[g], bias[g], y + m0 * N,
+                              rows, N, K, G, u0, u1, 0, stream);
                 else
-                    run_int4(xq + m0 * K, xs + m0 * blocks, xo + m0 * blocks, (const uint8_t *)w[g],
-                             (const uint16_t *)ws[g], bias[g], y + m0 * N, rows, N, K, G, u0, u1, 0, stream);
+                    run_units(1, xq + m0 * K, xs + m0 * blocks, xo + m0 * blocks, w[g], ws[g], bias[g], y + m0 * N,
+                              rows, N, K, G, u0, u1, 0, stream);
                 b += u1 - u0;
             }
         }
@@ -592,10 +675,9 @@ static void qgemm_groups(const float *x, const void *const *w, const void *const
                 const float *gs = xs + m0 * blocks;
                 const int32_t *go = xo + m0 * blocks;
                 float *gy = y + m0 * N;
-                /* int4: the odd block of 8 rows; both kinds: the row-major tail rows */
-                if (kind == 1 && per_group * unit < packed)
-                    run_int4(gq, gs, go, (const uint8_t *)w[g], (const uint16_t *)ws[g], bias[g], gy, rows, N, K, G,
-                             per_group, per_group, 1, 0);
+                /* the odd block of 8 rows, then the row-major tail rows */
+                if (per_group * unit < packed)
+                    run_units(kind, gq, gs, go, w[g], ws[g], bias[g], gy, rows, N, K, G, per_group, per_group, 1, 0);
                 for (long n = packed; n < N; n++)
                     for (long m = 0; m < rows; m++)
                         gy[m * N + n] = row_dot(kind, w[g], ws[g], n, K, G, gq + m * K, gs + m * blocks,
@@ -637,48 +719,54 @@ void anna_qgemm_experts(const float *x, const int64_t *w, const int64_t *ws, con
  * into `run` and then written in the output's type. */
 void anna_dequant(const void *w, const void *ws, int kind, long G, const long *rows, long R, long N, long K,
                   void *out, int bf16, int threads) {
-    long block_rows = kind == 0 ? PACK_ROWS : LANE_ROWS;
-    long packed = N / block_rows * block_rows, groups = G ? K / G : 0;
+    long packed = N / LANE_ROWS * LANE_ROWS, groups = G ? K / G : 0, row_bytes = kind ? K / 2 : K;
     #pragma omp parallel for num_threads(threads) if (R > 16)
     for (long i = 0; i < R; i++) {
         long n = rows ? rows[i] : i;
         int in_block = n < packed;
-        long r = in_block ? n % block_rows : 0, first = in_block ? n - r : n;  /* the block's first row */
-        /* int4: the row's unit of 2 blocks (tw = 2, block t of it) or the lone odd block (tw = 1) */
-        long tw = 1, start = first, t = 0;
-        if (kind == 1 && in_block && n < N / (2 * LANE_ROWS) * (2 * LANE_ROWS)) {
+        long r = in_block ? n % LANE_ROWS : 0;
+        /* the row's unit of 2 blocks (tw = 2, block t of it) or the lone odd block (tw = 1) */
+        long tw = 1, start = n - r, t = 0;
+        if (in_block && n < N / (2 * LANE_ROWS) * (2 * LANE_ROWS)) {
             tw = 2;
             start = n - n % (2 * LANE_ROWS);
             t = (n - start) / LANE_ROWS;
         }
-        const uint8_t *base = (const uint8_t *)w + start * (K / 2);
+        const uint8_t *base = (const uint8_t *)w + start * row_bytes;
         const uint16_t *gs = (const uint16_t *)ws + start * groups;
         for (long k = 0; k < K; k += 32) {
             float run[32];
-            if (kind == 0) {
-                long lanes = in_block ? PACK_ROWS : 1;  /* rows interleaved at this row's position */
-                const int8_t *p = (const int8_t *)w + first * K + k * lanes + r * 32;
-                float scale = G ? _cvtsh_ss(((const uint16_t *)ws)[n * groups + k / G]) : ((const float *)ws)[n];
-                for (int j = 0; j < 32; j++) run[j] = p[j] * scale;
+            /* a row's group scale: in its blocks' layout (in_block) or row-major (a tail row) */
+            float s = !G ? ((const float *)ws)[n]
+                         : _cvtsh_ss(in_block ? gs[((k / G) * tw + t) * LANE_ROWS + r]
+                                              : ((const uint16_t *)ws)[n * groups + k / G]);
+            if (in_block && kind == 0) {
+                for (long l = 0; l < S8_VECTORS; l++) {  /* this row's 4 weights of vector l */
+                    const int8_t *v = (const int8_t *)base + (k / 32) * S8_VECTORS * tw * LANE_BYTES +
+                                      (l * tw + t) * LANE_BYTES + 4 * r;
+                    _mm_storeu_ps(run + 4 * l, _mm_mul_ps(_mm_cvtepi32_ps(_mm_cvtepi8_epi32(
+                                                   _mm_cvtsi32_si128(*(const int32_t *)v))), _mm_set1_ps(s)));
+                }
             } else if (in_block) {
                 const __m128i low = _mm_set1_epi8(0x0F);
-                const __m128 eight = _mm_set1_ps(8.0f);
-                __m128 s = _mm_set1_ps(_cvtsh_ss(gs[((k / G) * tw + t) * LANE_ROWS + r]));
+                const __m128 eight = _mm_set1_ps(8.0f), sv = _mm_set1_ps(s);
                 for (int l = 0; l < 4; l++) {  /* this row's 4 bytes of vector l: 4 + 4 weights */
                     int32_t word;
                     __builtin_memcpy(&word, base + (k / 32) * 4 * tw * LANE_BYTES + (l * tw + t) * LANE_BYTES + 4 * r, 4);
                     __m128i v = _mm_cvtsi32_si128(word);
                     __m128 lo = _mm_cvtepi32_ps(_mm_cvtepu8_epi32(_mm_and_si128(v, low)));
                     __m128 hi = _mm_cvtepi32_ps(_mm_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(v, 4), low)));
-                    _mm_storeu_ps(run + 4 * l, _mm_mul_ps(_mm_sub_ps(lo, eight), s));
-                    _mm_storeu_ps(run + 16 + 4 * l, _mm_mul_ps(_mm_sub_ps(hi, eight), s));
+                    _mm_storeu_ps(run + 4 * l, _mm_mul_ps(_mm_sub_ps(lo, eight), sv));
+                    _mm_storeu_ps(run + 16 + 4 * l, _mm_mul_ps(_mm_sub_ps(hi, eight), sv));
                 }
+            } else if (kind == 0) {  /* a row-major tail row */
+                const int8_t *p = (const int8_t *)w + n * K + k;
+                for (int j = 0; j < 32; j++) run[j] = p[j] * s;
             } else {
-                const uint8_t *p = (const uint8_t *)w + n * (K / 2);
-                float s = _cvtsh_ss(((const uint16_t *)ws)[n * groups + k / G]);
+                const uint8_t *p = (const uint8_t *)w + n * (K / 2) + k / 2;
                 for (int j = 0; j < 16; j++) {
-                    run[j] = (float)((p[k / 2 + j] & 0x0F) - 8) * s;
-                    run[16 + j] = (float)((p[k / 2 + j] >> 4) - 8) * s;
+                    run[j] = (float)((p[j] & 0x0F) - 8) * s;
+                    run[16 + j] = (float)((p[j] >> 4) - 8) * s;
                 }
             }
             if (bf16)
