@@ -217,13 +217,22 @@ INLINE void store_rows8(int TW, int TM, __m256 accf[2][LANE_TILE_X], float *y, l
             for (int m = 0; m < TM; m++) _mm256_storeu_ps(y + m * ystride + t * 8, accf[t][m]);
 }
 
+/* Ask for a run's weights: `prefetch`, PREFETCH_BYTES on in the tile's own stream, into L1;
+ * `next` (bytes; 0: none), the next unit's run, into L2 (it is read a tile later) */
+INLINE void prefetch_run(const char *p, long run, int prefetch, long next) {
+    if (prefetch)
+        for (long off = 0; off < run; off += 64) _mm_prefetch(p + off + PREFETCH_BYTES, _MM_HINT_T0);
+    if (next)
+        for (long off = 0; off < run; off += 64) _mm_prefetch(p + off + next, _MM_HINT_T1);
+}
+
 /* int4: a unit (TW = 2) or a lone block (TW = 1) of 8 rows each (w; its scales gs; its bias or
  * NULL) against TM rows of x, into y (TM rows of stride ystride, 8 * TW columns). Block t's vector
  * l of run b is at b * run + l * TW * LANE_BYTES + t * LANE_BYTES (the layout above).
  * `prefetch`: the first pass over these weights asks for them PREFETCH_BYTES ahead. */
 INLINE void lane_tile(int TW, int TM, const uint8_t *w, const uint16_t *gs, const float *bias, const int8_t *xq,
                       const float *xs, const int32_t *xo, long K, long G, float *y, long ystride, int prefetch,
-                      int stream) {
+                      long next, int stream) {
     long blocks = K / 32;
     int gshift = group_shift(G);
     const __m256i low = _mm256_set1_epi8(0x0F);
@@ -237,8 +246,7 @@ INLINE void lane_tile(int TW, int TM, const uint8_t *w, const uint16_t *gs, cons
             __m256i start = _mm256_set1_epi32(xo[m * blocks + b]);  /* as the sums hold it */
             for (int t = 0; t < TW; t++) acc[t][m] = start;
         }
-        if (prefetch)
-            for (long off = 0; off < run; off += 64) _mm_prefetch((const char *)(w + b * run + off) + PREFETCH_BYTES, _MM_HINT_T0);
+        prefetch_run((const char *)(w + b * run), run, prefetch, next);
         /* Not unrolled: unrolled, gcc computes every product first and spills them all. */
         _Pragma("GCC unroll 1") for (int l = 0; l < 4; l++) {
             if (TM == 1) {  /* few sums: both nibbles of a load at once */
@@ -281,14 +289,6 @@ INLINE void lane_tile(int TW, int TM, const uint8_t *w, const uint16_t *gs, cons
 }
 
 
-/* int8: ask for a run's weights: `prefetch`, PREFETCH_BYTES on in the tile's own stream, into L1;
- * `next` (bytes; 0: none), the next unit's run, into L2 (it is read a tile later) */
-INLINE void s8_prefetch_run(const char *p, long run, int prefetch, long next) {
-    if (prefetch)
-        for (long off = 0; off < run; off += 64) _mm_prefetch(p + off + PREFETCH_BYTES, _MM_HINT_T0);
-    if (next)
-        for (long off = 0; off < run; off += 64) _mm_prefetch(p + off + next, _MM_HINT_T1);
-}
 
 /* int8, the counterpart of lane_tile: TW blocks of 8 rows against TM rows of x. ws: the unit's
  * row scales (fp32, G = 0), applied with the bias once the runs are summed, or its group scales
@@ -308,7 +308,7 @@ INLINE void lane_tile_s8(int TW, int TM, const int8_t *w, const void *ws, long G
         __m256i acc[2][LANE_TILE_X];
         for (int t = 0; t < TW; t++)
             for (int m = 0; m < TM; m++) acc[t][m] = _mm256_setzero_si256();
-        s8_prefetch_run((const char *)(w + b * run), run, prefetch, next);
+        prefetch_run((const char *)(w + b * run), run, prefetch, next);
         _Pragma("GCC unroll 1") for (int l = 0; l < S8_VECTORS; l++) {
             __m256i wv[2], aw[2];
             for (int t = 0; t < TW; t++) {
@@ -357,7 +357,7 @@ INLINE void store_rows16(float *y, long ystride, const __m512 *accf, int TM, int
  * operations and their order are lane_tile's, so the bits are too. */
 INLINE void lane_tile16(int TM, const uint8_t *w, const uint16_t *gs, const float *bias, const int8_t *xq,
                         const float *xs, const int32_t *xo, long K, long G, float *y, long ystride, int prefetch,
-                        int stream) {
+                        long next, int stream) {
     long blocks = K / 32;
     int gshift = group_shift(G);
     const __m512i low = _mm512_set1_epi8(0x0F);
@@ -367,9 +367,7 @@ INLINE void lane_tile16(int TM, const uint8_t *w, const uint16_t *gs, const floa
         __m512i acc[LANE_TILE_X16];
         for (int m = 0; m < TM; m++)
             acc[m] = _mm512_set1_epi32(xo[m * blocks + b]);
-        if (prefetch)
-            for (int off = 0; off < UNIT_RUN_BYTES; off += 64)
-                _mm_prefetch((const char *)(w + b * UNIT_RUN_BYTES + off) + PREFETCH_BYTES, _MM_HINT_T0);
+        prefetch_run((const char *)(w + b * UNIT_RUN_BYTES), UNIT_RUN_BYTES, prefetch, next);
         _Pragma("GCC unroll 1") for (int l = 0; l < 4; l++) {
             __m512i v = _mm512_loadu_si512(w + b * UNIT_RUN_BYTES + l * 2 * LANE_BYTES);
             __m512i vlo = _mm512_and_si512(v, low), vhi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
@@ -400,7 +398,7 @@ INLINE void lane_tile16_s8(int TM, const int8_t *w, const void *ws, long G, cons
     for (long b = 0; b < blocks; b++) {
         __m512i acc[LANE_TILE_X16];
         for (int m = 0; m < TM; m++) acc[m] = _mm512_set1_epi32(16 * xo[m * blocks + b]);
-        s8_prefetch_run((const char *)(w + b * run), run, prefetch, next);
+        prefetch_run((const char *)(w + b * run), run, prefetch, next);
         _Pragma("GCC unroll 1") for (int l = 0; l < S8_VECTORS; l++) {
             __m512i v = _mm512_xor_si512(_mm512_loadu_si512(w + b * run + l * 2 * LANE_BYTES), flip);
             for (int m = 0; m < TM; m++)
@@ -516,10 +514,10 @@ static void run_int4_amx(const int8_t *xq, const float *xs, const int32_t *xo, c
 }
 #endif
 
-/* int8: the first tile of a unit's pass asks for the unit's weights ahead in its stream; the
- * second asks for the next unit's (a unit's bytes on), so that memory keeps streaming while it
- * runs from cache: at int8's bytes per operation the first tile alone left memory idle meanwhile. */
-INLINE long s8_next(long m, long tile, long K) { return m == tile ? 2 * LANE_ROWS * K : 0; }
+/* The first tile of a unit's pass asks for the unit's weights ahead in its stream; the second
+ * asks for the next unit's (a unit's bytes on), so that memory keeps streaming while it runs from
+ * cache: at int8's bytes per operation the first tile alone left memory idle meanwhile. */
+INLINE long next_unit(long m, long tile, long unit_bytes) { return m == tile ? unit_bytes : 0; }
 
 /* TW (1 or 2) blocks of 8 rows starting at row n, kind 0 (int8) or 1 (int4), for rows [m0, m1)
  * of x; `stream`: a unit's outputs (TW = 2) written past the caches (STREAM_MIN_BYTES). The 16-row
@@ -529,6 +527,7 @@ INLINE void run_lanes(int kind, int TW, const int8_t *xq, const float *xs, const
                       const void *ws, const float *bias, float *y, long N, long K, long G, long n, long m0, long m1,
                       int stream) {
     long blocks = K / 32;
+    long unit_bytes = 2 * LANE_ROWS * (kind ? K / 2 : K);
     const uint8_t *wp = (const uint8_t *)w + n * (kind ? K / 2 : K);
     /* the blocks' scales: int8's per row (fp32), or per group (fp16) */
     const void *sp = kind == 0 && !G ? (const void *)((const float *)ws + n)
@@ -540,9 +539,9 @@ INLINE void run_lanes(int kind, int TW, const int8_t *xq, const float *xs, const
             long tm = m1 - m < LANE_TILE_X16 ? m1 - m : LANE_TILE_X16;
 #define TILE16(T, S) \
     (kind ? lane_tile16(T, wp, (const uint16_t *)sp, bp, xq + m * K, xs + m * blocks, xo + m * blocks, K, G, \
-                        y + m * N + n, N, m == m0, S) \
+                        y + m * N + n, N, m == m0, next_unit(m - m0, LANE_TILE_X16, unit_bytes), S) \
           : lane_tile16_s8(T, (const int8_t *)wp, sp, G, bp, xq + m * K, xs + m * blocks, xo + m * blocks, K, \
-                           y + m * N + n, N, m == m0, s8_next(m - m0, LANE_TILE_X16, K), S))
+                           y + m * N + n, N, m == m0, next_unit(m - m0, LANE_TILE_X16, unit_bytes), S))
 #define LANE_CASE(T) \
     case T: \
         if (stream) TILE16(T, 1); \
@@ -558,14 +557,15 @@ INLINE void run_lanes(int kind, int TW, const int8_t *xq, const float *xs, const
 #endif
     for (long m = m0; m < m1; m += LANE_TILE_X) {
         long tm = m1 - m < LANE_TILE_X ? m1 - m : LANE_TILE_X;
+        long next = TW == 2 ? next_unit(m - m0, LANE_TILE_X, unit_bytes) : 0;
 #define LANE_CASE(T) \
     case T: \
         if (kind) \
             lane_tile(TW, T, wp, (const uint16_t *)sp, bp, xq + m * K, xs + m * blocks, xo + m * blocks, K, G, \
-                      y + m * N + n, N, m == m0, stream); \
+                      y + m * N + n, N, m == m0, next, stream); \
         else \
             lane_tile_s8(TW, T, (const int8_t *)wp, sp, G, bp, xq + m * K, xs + m * blocks, K, y + m * N + n, N, \
-                         m == m0, TW == 2 ? s8_next(m - m0, LANE_TILE_X, K) : 0, stream); \
+                         m == m0, next, stream); \
         break;
         switch (tm) { LANE_CASE(1) LANE_CASE(2) LANE_CASE(3) default: LANE_CASE(4) }
 #undef LANE_CASE
