@@ -330,11 +330,18 @@ def test_anna_tune_measures_again_and_stores(qwen2_dir, store, capsys):
     assert json.loads(path.read_text())["values"]["cpu_gemv_max_rows"] != 37
 
 
-@pytest.mark.parametrize("quantization", ["int4"])
-def test_an_int4_model_calibrates_the_packed_kernels_bound(qwen2_dir, store, quantization):
+@pytest.mark.parametrize("quantization", ["int4", "int8"])
+def test_a_quantized_model_calibrates_the_packed_kernels_bound(qwen2_dir, store, quantization):
+    """Each kind's packed kernel has its own bound, measured on its own layers; the other kind's
+    is not measured (nothing of the model would run it), nor cpu_gemv_max_rows for an int8 model
+    whose every linear layer is int8."""
     engine = _engine(qwen2_dir, store, quantization=quantization, disable_int4_cache=True)
     [path] = _stored(store)
     stored = json.loads(path.read_text())
-    assert "int4_gemv_m_threshold" in stored["measurements"]
-    assert engine.runner.model.norm.ops.routing.int4_gemv_m_threshold == stored["values"]["int4_gemv_m_threshold"]
-    assert engine.settings.sources["int4_gemv_m_threshold"] == "calibrated"
+    name, other = f"{quantization}_gemv_m_threshold", "int8_gemv_m_threshold" if quantization == "int4" \
+        else "int4_gemv_m_threshold"
+    assert name in stored["measurements"] and other not in stored["measurements"]
+    assert getattr(engine.runner.model.norm.ops.routing, name) == stored["values"][name]
+    assert engine.settings.sources[name] == "calibrated"
+    if quantization == "int8":
+        assert "cpu_gemv_max_rows" not in stored["measurements"]

@@ -109,6 +109,9 @@ class ServeSettings:
         -1, "int4 auto routing: matmuls with M <= this use the packed kernel, larger ones dequant; 0 = always "
             "dequant; -1 = by the CPU: 2048 where the dequantized GEMM runs in fp32, 128 where a bf16 model's runs "
             "in bf16 on AVX512-BF16/AMX (cpu_isa).", minimum=-1, aliases=("xpu_int4_gemv_m_threshold",))
+    int8_gemv_m_threshold: int | None = _setting(
+        -1, "int8 routing: matmuls with M <= this use the packed kernel, larger ones dequant; 0 = always dequant; "
+            "-1 = by the CPU, as int4_gemv_m_threshold.", minimum=-1)
     int4_cache_dir: str | None = _setting(
         "", "Where the int4 layout cache lives; empty = {model}/.anna/int4_cache (user cache dir if read-only).")
     int4_cache_load_workers: int | None = _setting(8, "Threads that read (and verify) the int4 layout cache.",
@@ -150,6 +153,7 @@ class ServeSettings:
     calibrate: bool | None = _setting(
         True, "On CPU, the first start on a new host times this model's layers (a few seconds, before serving) to "
               "set cpu_gemv_max_rows, cpu_bf16_dot_min_rows, cpu_bf16_pair_max_rows, int4_gemv_m_threshold, "
+              "int8_gemv_m_threshold, "
               "cpu_upcast_min_rows, cpu_sdpa_min_tokens and the "
               "throughput profile's "
               "long_prefill_token_threshold, kept in {cache_dir}/calibration; a flag or ANNA_* value still wins "
@@ -351,7 +355,7 @@ SECTION_FIELDS: dict[str, tuple[str, ...]] = {
                  "master_port"),
     "cpu": ("cpu_kernels", "cpu_kernel_compiler", "cpu_isa", "cpu_gemv_max_rows", "cpu_upcast_min_rows",
             "cpu_bf16_dot_min_rows", "cpu_bf16_pair_max_rows", "cpu_sdpa_min_tokens", "cpu_mlp_tile_rows",
-            "calibrate", "cpu_huge_pages", "int4_matmul", "int4_gemv_m_threshold"),
+            "calibrate", "cpu_huge_pages", "int4_matmul", "int4_gemv_m_threshold", "int8_gemv_m_threshold"),
     "server": ("host", "port", "api_key", "allowed_origins", "max_n", "max_request_bytes", "header_read_timeout",
                "body_read_timeout", "shutdown_timeout", "prompt_workers", "tokenize_workers", "text_queue_limit",
                "web_ui", "responses_store_size", "tool_call_parser", "reasoning_parser", "log_level", "metrics_namespace",

@@ -66,6 +66,8 @@ class LinearRouting:
     # runs torch's SDPA (in attention_dtype; oneDNN's AMX tiles for bf16 where the CPU has them)
     # instead of Anna's prefill attention kernel (0: never)
     sdpa_min_tokens: int = 0
+    # CPU with Anna's kernels: the packed int8 kernel for M <= this, the dequantized GEMM above
+    int8_gemv_m_threshold: int = 2048
 
 
 class ModelOps:

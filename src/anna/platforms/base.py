@@ -151,10 +151,11 @@ class Platform:
         return getattr(torch, self.name)
 
 
-# int4_gemv_m_threshold -1: the packed int4 kernel up to this M, by whether the dequantized GEMM
-# runs in fp32 or in bf16 (benchmarks/matmul_routing.py --quantization int4: in fp32 the packed
-# kernel is the faster up to 2048; on AMX it is up to M = 112 and the bf16 GEMM from 128 on)
-INT4_PACKED_MAX_ROWS = {False: 2048, True: 128}
+# int4_gemv_m_threshold and int8_gemv_m_threshold -1: the packed kernel up to this M, by whether the
+# dequantized GEMM runs in fp32 or in bf16 (benchmarks/matmul_routing.py --quantization int4: in fp32
+# the packed kernel is the faster up to 2048; on AMX it is up to M = 112 and the bf16 GEMM from 128
+# on). The int8 kernel runs int4's tiles, and calibration measures each kind on its own host.
+PACKED_MAX_ROWS = {False: 2048, True: 128}
 
 
 # cpu_bf16_dot_min_rows -1: the weight-streaming kernel's bf16 dot products from this M on, where the
@@ -182,12 +183,13 @@ def linear_routing(cpu: Any, bf16_matmul: bool = False, sdpa_outruns_kernel: boo
     instruction sets allow for this model, platforms/cpu/isa.py; without it no bf16 dot product runs,
     whatever cpu_bf16_dot_min_rows says; ``sdpa_outruns_kernel``: an AMX CPU whose kernels have no
     tiles, see SDPA_MIN_TOKENS)."""
-    threshold = cpu.int4_gemv_m_threshold if cpu.int4_gemv_m_threshold >= 0 else INT4_PACKED_MAX_ROWS[bf16_matmul]
+    threshold = cpu.int4_gemv_m_threshold if cpu.int4_gemv_m_threshold >= 0 else PACKED_MAX_ROWS[bf16_matmul]
+    int8_threshold = cpu.int8_gemv_m_threshold if cpu.int8_gemv_m_threshold >= 0 else PACKED_MAX_ROWS[bf16_matmul]
     dot_rows = cpu.cpu_bf16_dot_min_rows if cpu.cpu_bf16_dot_min_rows >= 0 else BF16_DOT_MIN_ROWS
     pair_rows = cpu.cpu_bf16_pair_max_rows if cpu.cpu_bf16_pair_max_rows >= 0 else BF16_PAIR_MAX_ROWS
     sdpa = cpu.cpu_sdpa_min_tokens if cpu.cpu_sdpa_min_tokens >= 0 else SDPA_MIN_TOKENS[bf16_matmul and sdpa_outruns_kernel]
     return LinearRouting(cpu.cpu_gemv_max_rows, cpu.cpu_upcast_min_rows, cpu.int4_matmul, threshold, bf16_matmul,
-                         dot_rows if bf16_matmul else 0, pair_rows, cpu.cpu_mlp_tile_rows, sdpa)
+                         dot_rows if bf16_matmul else 0, pair_rows, cpu.cpu_mlp_tile_rows, sdpa, int8_threshold)
 
 
 def no_graph_reason(profiling: bool, model: Any) -> str | None:

@@ -22,15 +22,15 @@ them). Above it, one layer of each shape is timed.
 - ``cpu_bf16_dot_min_rows`` (a bf16 model on Anna's kernels, where the CPU has AVX512-BF16): the
   weight-streaming kernel on bf16 dot products against the same kernel in fp32, at every M of
   DOT_ROWS; measured first, so that the bound below is measured on the kernel that will run;
-- ``cpu_gemv_max_rows`` (Anna's kernels, dense and int8 layers): the weight-streaming kernel
+- ``cpu_gemv_max_rows`` (Anna's kernels, dense layers): the weight-streaming kernel
   against the path above it, the large-M GEMM (Anna's AMX tiles or register-blocked GEMM where the
   kernel level has one for the weights, else torch's bf16 or fp32 GEMM: the start-up log names it);
 - ``cpu_bf16_pair_max_rows`` (a bf16 model on Anna's AVX2 kernels): the weight-streaming kernel
   widening bf16 weights in registers against the same kernel converting each block once, at the
   Ms of PAIR_ROWS, on the layers (not the lm_head). Measured after the bound above, which moves
   prefill far more;
-- ``int4_gemv_m_threshold`` (int4 with int4_matmul auto): the packed int4 kernel against the
-  dequantized GEMM;
+- ``int4_gemv_m_threshold`` (int4 with int4_matmul auto) and ``int8_gemv_m_threshold`` (int8):
+  the packed kernel against the dequantized GEMM, at the Ms of PACKED_ROWS;
 - ``cpu_upcast_min_rows`` (torch's ops on half weights without hardware bf16): torch's half
   matmul against the fp32 one on the converted weight;
 - ``cpu_sdpa_min_tokens`` (a model with attention layers, on Anna's kernels): one layer's prompt
@@ -71,7 +71,7 @@ from anna.platforms.cpu.isa import LEVEL_FLAGS, CpuIsa
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 3  # 2: layers timed streamed from memory (STREAMED_BYTES); 3: prompt attention
+FORMAT_VERSION = 4  # 2: layers timed streamed from memory (STREAMED_BYTES); 3: prompt attention; 4: int8's own bound
 WARM_UP_MAX_S = 0.2  # a first call this long is its own sample (Timer.seconds)
 BUDGET_S = 15.0  # the most one calibration measures; what is left unmeasured keeps its built-in value
 STREAMED_BYTES = 64 << 20  # weights per timed pass: twice a 32 MB last-level cache
@@ -79,7 +79,7 @@ STREAMED_MAX_ROWS = 16
 GEMV_ROWS = (1, 8, 16, 32, 48, 64, 96, 128, 192, 256)
 DOT_ROWS = (1, 2, 4, 8, 16)
 PAIR_ROWS = (4, 8, 16, 32, 64, 128)
-INT4_ROWS = (16, 32, 64, 128, 256, 512, 1024, 2048)
+PACKED_ROWS = (16, 32, 64, 128, 256, 512, 1024, 2048)  # int4 and int8
 UPCAST_ROWS = (1, 2, 4, 8, 16, 32, 64)
 CHUNK_TOKENS = (128, 256, 512, 1024, 2048)
 ATTENTION_TOKENS = (16, 64, 256, 1024, 2048)
@@ -203,7 +203,8 @@ def choose(measurements: dict[str, dict[str, list]]) -> dict[str, int]:
     m = measurements.get("cpu_bf16_dot_min_rows")
     if m and m["rows"]:
         values["cpu_bf16_dot_min_rows"] = first_lasting_win(m["rows"], m["kernel_s"], m["other_s"])
-    for name in ("cpu_bf16_pair_max_rows", "cpu_gemv_max_rows", "int4_gemv_m_threshold", "cpu_upcast_min_rows"):
+    for name in ("cpu_bf16_pair_max_rows", "cpu_gemv_max_rows", "int4_gemv_m_threshold", "int8_gemv_m_threshold",
+                 "cpu_upcast_min_rows"):
         m = measurements.get(name)
         if m and m["rows"]:
             crossing = first_crossing(m["rows"], m["kernel_s"], m["other_s"])
@@ -388,7 +389,8 @@ def measure(model: torch.nn.Module, ops: Any, max_chunk: int, budget_s: float = 
     first-round choice."""
     timer = timer or Timer(budget_s, max_rows)
     groups = layer_groups(model)
-    dense = [g for g in groups if not isinstance(g.layer, QuantLinear) or g.layer.kind == 0]
+    dense = [g for g in groups if not isinstance(g.layer, QuantLinear)]
+    int8 = [g for g in groups if isinstance(g.layer, QuantLinear) and g.layer.kind == 0]
     int4 = [g for g in groups if isinstance(g.layer, QuantLinear) and g.layer.kind == 1]
     half = [g for g in groups if not isinstance(g.layer, QuantLinear) and g.layer.weight.element_size() == 2]
     bf16 = [g for g in dense if not isinstance(g.layer, QuantLinear) and g.layer.weight.dtype == torch.bfloat16]
@@ -416,9 +418,13 @@ def measure(model: torch.nn.Module, ops: Any, max_chunk: int, budget_s: float = 
                                                           lambda m: kernel_serves | {"bf16_pair_max_rows": m},
                                                           kernel_serves | {"bf16_pair_max_rows": 0})
         if ops.kernels is not None and int4 and ops.routing.int4_matmul == "auto":
-            series["int4_gemv_m_threshold"] = _crossover(timer, ops, int4, INT4_ROWS,
+            series["int4_gemv_m_threshold"] = _crossover(timer, ops, int4, PACKED_ROWS,
                                                          lambda m: {"int4_gemv_m_threshold": m},
                                                          {"int4_gemv_m_threshold": 0})
+        if ops.kernels is not None and int8:
+            series["int8_gemv_m_threshold"] = _crossover(timer, ops, int8, PACKED_ROWS,
+                                                         lambda m: {"int8_gemv_m_threshold": m},
+                                                         {"int8_gemv_m_threshold": 0})
         if ops.kernels is None and half and not ops.routing.bf16_matmul:
             series["cpu_upcast_min_rows"] = _crossover(timer, ops, half, UPCAST_ROWS,
                                                        lambda m: {"upcast_min_rows": 0}, {"upcast_min_rows": 1})
@@ -436,6 +442,7 @@ def measure(model: torch.nn.Module, ops: Any, max_chunk: int, budget_s: float = 
 
 # setting name -> LinearRouting field
 ROUTING_FIELDS = {"cpu_gemv_max_rows": "gemv_max_rows", "int4_gemv_m_threshold": "int4_gemv_m_threshold",
+                  "int8_gemv_m_threshold": "int8_gemv_m_threshold",
                   "cpu_upcast_min_rows": "upcast_min_rows", "cpu_bf16_dot_min_rows": "bf16_dot_rows",
                   "cpu_bf16_pair_max_rows": "bf16_pair_max_rows", "cpu_sdpa_min_tokens": "sdpa_min_tokens"}
 
@@ -516,6 +523,7 @@ def report(calibration: Calibration) -> str:
              "cpu_bf16_pair_max_rows": ("kernel widening in registers", "kernel converting blocks"),
              "cpu_gemv_max_rows": ("Anna's weight-streaming kernel", "the large-M GEMM"),
              "int4_gemv_m_threshold": ("packed int4 kernel", "dequantized GEMM"),
+             "int8_gemv_m_threshold": ("packed int8 kernel", "dequantized GEMM"),
              "cpu_upcast_min_rows": ("torch half matmul", "fp32 on the converted weight"),
              "cpu_sdpa_min_tokens": ("Anna's attention kernel", "torch's SDPA")}
     for name, m in calibration.measurements.items():

@@ -142,7 +142,7 @@ class CpuKernelOps(CpuTorchOps):
         if not layer.interleaved:
             return False
         if layer.kind == 0:
-            return rows <= self.routing.gemv_max_rows
+            return rows <= self.routing.int8_gemv_m_threshold
         r = self.routing
         return r.int4_matmul == "packed" or (r.int4_matmul == "auto" and rows <= r.int4_gemv_m_threshold)
 
