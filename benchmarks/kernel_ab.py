@@ -3,6 +3,7 @@ against the working tree's, on the matmuls of a Qwen2.5-0.5B layer and its lm_he
 
     python benchmarks/kernel_ab.py --base HEAD~1 --ms 1,4,16,64
     python benchmarks/kernel_ab.py --base HEAD~1 --quantization int4 --ms 1,16
+    python benchmarks/kernel_ab.py --base HEAD~1 --quantization int8 --int8-group-size 32 --ms 1,16
     python benchmarks/kernel_ab.py --base HEAD~1 --large-m --ms 128,512 --rounds 3
     python benchmarks/kernel_ab.py --base main --large-m --amx-emulated --ms 600 --rounds 1
 
@@ -14,7 +15,7 @@ matmul of each build, the rate, and base / this tree (above 1: the working tree 
 checks that both builds give the same result to 1e-5 of its largest value. Both revisions must call
 the kernels with the same arguments (anna_gemv's and anna_qgemm's C signatures) and read the
 weights in this tree's layout (int4: revisions from f33805f on, where a unit's two blocks
-alternate); bf16 weights run in fp32 arithmetic with the built-in routing bounds unless
+alternate; int8: from the commit that put it in row lanes on); bf16 weights run in fp32 arithmetic with the built-in routing bounds unless
 --bf16-pair-max-rows or --bf16-dot-min-rows (vdpbf16ps from that M on) says otherwise.
 --large-m times the large-M GEMM of bf16 weights instead (a prefill's matmuls past
 cpu_gemv_max_rows): the avx2 level's (csrc/panel_matmul.c) or the amx level's on AMX tiles
@@ -38,7 +39,7 @@ from pathlib import Path
 import torch
 
 from anna.model.linear import interleave_rows, quantized_for_cpu_kernel
-from anna.model.quantization import quantize_int4
+from anna.model.quantization import quantize_int4, quantize_int8
 from anna.platforms.base import BF16_PAIR_MAX_ROWS
 from anna.platforms.cpu import keep_freed_memory
 from anna.platforms.cpu.isa import detect_isa
@@ -61,8 +62,9 @@ def base_sources(rev: str, into: Path) -> Path:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--base", required=True, help="the git revision whose kernels are the baseline")
-    ap.add_argument("--quantization", choices=["none", "int4"], default="none", help="none: bf16 weights")
+    ap.add_argument("--quantization", choices=["none", "int8", "int4"], default="none", help="none: bf16 weights")
     ap.add_argument("--int4-group-size", type=int, default=32)
+    ap.add_argument("--int8-group-size", type=int, default=0, help="0: a scale per row")
     ap.add_argument("--ms", default="1,4,16,64", help="rows of x, comma-separated")
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--rounds", type=int, default=7)
@@ -107,16 +109,19 @@ def main() -> None:
         w = torch.randn(n, k)
         if args.quantization == "int4":
             return quantized_for_cpu_kernel(1, *quantize_int4(w, args.int4_group_size))
+        if args.quantization == "int8":
+            return quantized_for_cpu_kernel(0, *quantize_int8(w, args.int8_group_size))
         return interleave_rows(w.to(torch.bfloat16))
 
     def run(kernels, x, w):
-        if args.quantization == "int4":
-            return kernels.qgemm(x, w[0], w[1], 1, args.int4_group_size, None)
+        if args.quantization != "none":
+            kind, group = (1, args.int4_group_size) if args.quantization == "int4" else (0, args.int8_group_size)
+            return kernels.qgemm(x, w[0], w[1], kind, group, None)
         if args.large_m:
             return kernels.tile_matmul(x, w, None) if level == "amx" else kernels.panel_matmul(x, w, None)
         return kernels.gemv(x, w, None, args.bf16_dot_min_rows, args.bf16_pair_max_rows)
 
-    bytes_per_weight = 0.5 if args.quantization == "int4" else 2
+    bytes_per_weight = {"int4": 0.5, "int8": 1}.get(args.quantization, 2)
     results = {"cpu": isa.model_name, "level": level, "threads": torch.get_num_threads(), "torch": torch.__version__,
                "machine": platform.machine(), "base": args.base, "quantization": args.quantization,
                "bf16_dot_min_rows": args.bf16_dot_min_rows, "large_m": args.large_m,
