@@ -251,6 +251,24 @@ def test_auto_routes_by_m(kernels):
     assert not layer.uses_packed_kernel(1)  # 0 means always dequant
 
 
+def test_int8_routes_by_its_own_bound(kernels):
+    """int8 layers follow int8_gemv_m_threshold (not int4's, nor the weight-streaming kernel's
+    cpu_gemv_max_rows), and both sides of the bound give the layer's product."""
+    layer = make_layer("int8", 0, kernels, "dequant")  # (int4_matmul says nothing to int8)
+    ref_w = dequantize_int8(layer.qweight, layer.scales, 0)
+    layer.interleave_for_cpu_kernel()
+    layer.ops = CpuKernelOps(kernels, layer.ops.quant, LinearRouting(gemv_max_rows=1, int4_gemv_m_threshold=0,
+                                                                     int8_gemv_m_threshold=4))
+    assert layer.uses_packed_kernel(4) and not layer.uses_packed_kernel(5)
+    for m in (4, 5):
+        x = torch.randn(m, 256)
+        ref = x @ ref_w.t() + layer.bias
+        tol = 2e-2 if m == 4 else 1e-4  # the packed kernel rounds x to int8 per 32 values
+        assert ((layer(x) - ref).norm() / ref.norm()).item() < tol, m
+    layer.ops = CpuKernelOps(kernels, layer.ops.quant, LinearRouting(int8_gemv_m_threshold=0))
+    assert not layer.uses_packed_kernel(1)  # 0 means always dequant
+
+
 @pytest.mark.parametrize("quant, bound", [("int8", 0.04), ("int4", 0.35)])
 def test_quantized_model_logits(quant, bound, hf_models, cache_dir, tmp_path):
     """Two checks: (1) against the same model with dequantized weights, Anna's quantized execution
