@@ -568,3 +568,21 @@ def test_a_compiler_without_amx_runs_the_avx512_vnni_build(cache_dir, tmp_path, 
         kernels = cpu_kernels.build_cpu_kernels(store, str(compiler), CpuIsa(here.model_name, here.flags, "amx", "amx"))
     assert kernels is not None and kernels.level == "avx512_vnni"
     assert "The amx level's kernels could not be built" in caplog.text
+
+
+def test_packed_kernels_bound_by_default_is_the_cpus():
+    """-1 (the default) resolves by where the dequantized GEMM would run: on AMX tiles (a bf16 model
+    on an AMX CPU) from 128 rows on, else the packed kernel up to 2048, for int4 and int8 alike; a
+    value that was set wins."""
+    from anna.core.config import ServeSettings, resolve_settings
+    from anna.platforms.base import linear_routing
+
+    cpu = resolve_settings(ServeSettings(model="m"), env={}).sections.cpu
+    bounds = lambda routing: (routing.int4_gemv_m_threshold, routing.int8_gemv_m_threshold)  # noqa: E731
+    assert bounds(linear_routing(cpu)) == (2048, 2048)
+    assert bounds(linear_routing(cpu, bf16_matmul=True)) == (2048, 2048)  # AVX512-BF16 without tiles
+    assert bounds(linear_routing(cpu, amx=True)) == (2048, 2048)  # a float model's GEMM is fp32
+    assert bounds(linear_routing(cpu, bf16_matmul=True, amx=True)) == (128, 128)
+    cpu = resolve_settings(ServeSettings(model="m", int4_gemv_m_threshold=64, int8_gemv_m_threshold=0),
+                           env={}).sections.cpu
+    assert bounds(linear_routing(cpu, bf16_matmul=True, amx=True)) == (64, 0)

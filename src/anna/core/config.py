@@ -107,8 +107,8 @@ class ServeSettings:
         choices=("auto", "packed", "dequant"), aliases=("xpu_int4_matmul",))
     int4_gemv_m_threshold: int | None = _setting(
         -1, "int4 auto routing: matmuls with M <= this use the packed kernel, larger ones dequant; 0 = always "
-            "dequant; -1 = by the CPU: 2048 where the dequantized GEMM runs in fp32, 128 where a bf16 model's runs "
-            "in bf16 on AVX512-BF16/AMX (cpu_isa).", minimum=-1, aliases=("xpu_int4_gemv_m_threshold",))
+            "dequant; -1 = by the CPU: 128 where a bf16 model's dequantized GEMM runs on AMX tiles (cpu_isa), "
+            "else 2048.", minimum=-1, aliases=("xpu_int4_gemv_m_threshold",))
     int8_gemv_m_threshold: int | None = _setting(
         -1, "int8 routing: matmuls with M <= this use the packed kernel, larger ones dequant; 0 = always dequant; "
             "-1 = by the CPU, as int4_gemv_m_threshold.", minimum=-1)

@@ -152,9 +152,12 @@ class Platform:
 
 
 # int4_gemv_m_threshold and int8_gemv_m_threshold -1: the packed kernel up to this M, by whether the
-# dequantized GEMM runs in fp32 or in bf16 (benchmarks/matmul_routing.py --quantization int4: in fp32
-# the packed kernel is the faster up to 2048; on AMX it is up to M = 112 and the bf16 GEMM from 128
-# on). The int8 kernel runs int4's tiles, and calibration measures each kind on its own host.
+# dequantized GEMM runs on AMX tiles (oneDNN's bf16 tiles, a bf16 model on an AMX CPU). Without them
+# the packed kernel is the faster up to 2048: with the GEMM in fp32 (benchmarks/matmul_routing.py
+# --quantization int4), and on a Zen 4 with it in bf16 on AVX512-BF16 (`anna tune --quantization
+# int4` / `int8`: 2,669 against 4,068 ms a pass of the 0.5B layers at 2048, and 2,492 against
+# 3,945); on AMX it is up to M = 112 and the bf16 GEMM from 128 on. The int8 kernel runs int4's
+# tiles, and calibration measures each kind on its own host.
 PACKED_MAX_ROWS = {False: 2048, True: 128}
 
 
@@ -178,13 +181,15 @@ BF16_PAIR_MAX_ROWS = 32
 SDPA_MIN_TOKENS = {False: 0, True: 1}
 
 
-def linear_routing(cpu: Any, bf16_matmul: bool = False, sdpa_outruns_kernel: bool = False) -> LinearRouting:
+def linear_routing(cpu: Any, bf16_matmul: bool = False, sdpa_outruns_kernel: bool = False,
+                   amx: bool = False) -> LinearRouting:
     """The matmul routing thresholds of the cpu settings section (``bf16_matmul``: what the CPU's
     instruction sets allow for this model, platforms/cpu/isa.py; without it no bf16 dot product runs,
     whatever cpu_bf16_dot_min_rows says; ``sdpa_outruns_kernel``: an AMX CPU whose kernels have no
-    tiles, see SDPA_MIN_TOKENS)."""
-    threshold = cpu.int4_gemv_m_threshold if cpu.int4_gemv_m_threshold >= 0 else PACKED_MAX_ROWS[bf16_matmul]
-    int8_threshold = cpu.int8_gemv_m_threshold if cpu.int8_gemv_m_threshold >= 0 else PACKED_MAX_ROWS[bf16_matmul]
+    tiles, see SDPA_MIN_TOKENS; ``amx``: the CPU has AMX tiles, see PACKED_MAX_ROWS)."""
+    packed = PACKED_MAX_ROWS[bf16_matmul and amx]
+    threshold = cpu.int4_gemv_m_threshold if cpu.int4_gemv_m_threshold >= 0 else packed
+    int8_threshold = cpu.int8_gemv_m_threshold if cpu.int8_gemv_m_threshold >= 0 else packed
     dot_rows = cpu.cpu_bf16_dot_min_rows if cpu.cpu_bf16_dot_min_rows >= 0 else BF16_DOT_MIN_ROWS
     pair_rows = cpu.cpu_bf16_pair_max_rows if cpu.cpu_bf16_pair_max_rows >= 0 else BF16_PAIR_MAX_ROWS
     sdpa = cpu.cpu_sdpa_min_tokens if cpu.cpu_sdpa_min_tokens >= 0 else SDPA_MIN_TOKENS[bf16_matmul and sdpa_outruns_kernel]

@@ -193,7 +193,7 @@ class CpuPlatform(Platform):
         kernels = build_cpu_kernels(cache_dir, cpu.cpu_kernel_compiler, isa) if cpu.cpu_kernels else None
         tiles = kernels is not None and kernels.level == "amx"
         routing = linear_routing(cpu, bf16_matmul=isa.bf16_matmul and weight_dtype == torch.bfloat16,
-                                 sdpa_outruns_kernel=isa.has("amx") and not tiles)
+                                 sdpa_outruns_kernel=isa.has("amx") and not tiles, amx=isa.has("amx"))
         ops = CpuTorchOps(quant, routing, profiler) if kernels is None else CpuKernelOps(kernels, quant, routing, profiler)
         if routing.bf16_matmul:
             ops.attention_dtype = torch.bfloat16
