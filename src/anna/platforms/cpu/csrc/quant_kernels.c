@@ -148,9 +148,9 @@ INLINE __m256i unpack_q4_unsigned(const uint8_t *p) {
 }
 
 #define LANE_ROWS 8   /* rows per block (one per 32-bit lane of a 256-bit vector) */
-#define LANE_TILE_X 4 /* rows of x per int4 tile */
+#define LANE_TILE_X 4 /* rows of x per tile (int4 and int8) */
 #define LANE_TILE_X16 8 /* the same for the VNNI build's 16-row tiles (32 vector registers) */
-#define X_BLOCK 64    /* int4: rows of x per pass over a thread's weights (at K = 4864, 311 KB: in L2) */
+#define X_BLOCK 64    /* rows of x per pass over a thread's weights (at K = 4864, 311 KB: in L2) */
 #define LANE_BYTES 32 /* one vector of a block's run (8 rows x 4 bytes) */
 #define UNIT_RUN_BYTES (8 * LANE_BYTES) /* int4: a unit's run of 32 columns (2 blocks x 4 vectors) */
 #define S8_VECTORS 8  /* int8: vectors of a block's run of 32 columns (int4: 4) */
@@ -229,7 +229,7 @@ INLINE void prefetch_run(const char *p, long run, int prefetch, long next) {
 /* int4: a unit (TW = 2) or a lone block (TW = 1) of 8 rows each (w; its scales gs; its bias or
  * NULL) against TM rows of x, into y (TM rows of stride ystride, 8 * TW columns). Block t's vector
  * l of run b is at b * run + l * TW * LANE_BYTES + t * LANE_BYTES (the layout above).
- * `prefetch`: the first pass over these weights asks for them PREFETCH_BYTES ahead. */
+ * `prefetch`, `next`: what the tile asks for ahead (prefetch_run, next_unit). */
 INLINE void lane_tile(int TW, int TM, const uint8_t *w, const uint16_t *gs, const float *bias, const int8_t *xq,
                       const float *xs, const int32_t *xo, long K, long G, float *y, long ystride, int prefetch,
                       long next, int stream) {
@@ -287,8 +287,6 @@ INLINE void lane_tile(int TW, int TM, const uint8_t *w, const uint16_t *gs, cons
     }
     store_rows8(TW, TM, accf, y, ystride, stream);
 }
-
-
 
 /* int8, the counterpart of lane_tile: TW blocks of 8 rows against TM rows of x. ws: the unit's
  * row scales (fp32, G = 0), applied with the bias once the runs are summed, or its group scales
