@@ -91,9 +91,9 @@ def quantized_for_cpu_kernel(kind: int, qweight: torch.Tensor,
     """Values and scales (row-major, as quantized) in the layout quant_kernels.c reads: int8
     (kind 0) and int4 (kind 1) values in row lanes; group scales in blocks of 8 rows alternating
     every group, paired as the values are (int8's row scales, one per row, stay as they are)."""
-    if kind == 0 and scales.dim() == 1:
-        return int8_row_lanes(qweight), scales
     values = int8_row_lanes(qweight) if kind == 0 else int4_row_lanes(qweight)
+    if scales.dim() == 1:  # int8's row scales
+        return values, scales
     return values, pair_blocks(interleave_rows(scales, 1, LANE_ROWS), LANE_ROWS)
 
 

@@ -393,7 +393,7 @@ def measure(model: torch.nn.Module, ops: Any, max_chunk: int, budget_s: float = 
     int8 = [g for g in groups if isinstance(g.layer, QuantLinear) and g.layer.kind == 0]
     int4 = [g for g in groups if isinstance(g.layer, QuantLinear) and g.layer.kind == 1]
     half = [g for g in groups if not isinstance(g.layer, QuantLinear) and g.layer.weight.element_size() == 2]
-    bf16 = [g for g in dense if not isinstance(g.layer, QuantLinear) and g.layer.weight.dtype == torch.bfloat16]
+    bf16 = [g for g in dense if g.layer.weight.dtype == torch.bfloat16]
     series: dict[str, Series] = {}
 
     def chosen() -> dict[str, int]:
