@@ -392,11 +392,13 @@ def test_every_kernel_level_stays_with_transformers_through_the_model(level, qua
         assert ((logits - fake).norm() / fake.norm()).item() < 0.02
 
 
-def test_int4_prefill_on_emulated_amx_tiles_stays_with_transformers(hf_models, cache_dir, tmp_path):
-    """The amx level's int4 path through a whole model, on CPUs without AMX: the avx512_vnni
-    engine's ops switched to the build whose tile instructions are emulated in C. A 40-token
-    prefill (its matmuls on tiles of 16 rows, the last one short) and 6 decode steps give the
-    vnni engine's logits to the bit, and transformers' on the dequantized weights."""
+@pytest.mark.parametrize("quantization", ["int4", "int8"])
+def test_quantized_prefill_on_emulated_amx_tiles_stays_with_transformers(quantization, hf_models, cache_dir,
+                                                                         tmp_path):
+    """The amx level's int4 and int8 paths through a whole model, on CPUs without AMX: the
+    avx512_vnni engine's ops switched to the build whose tile instructions are emulated in C. A
+    40-token prefill (its matmuls on tiles of 16 rows, the last one short) and 6 decode steps give
+    the vnni engine's logits to the bit, and transformers' on the dequantized weights."""
     from anna.runtime.engine import LLMEngine
     from conftest import amx_kernels, engine_settings
     from helpers import fake_quantized, hf_logits, run_logits
@@ -406,7 +408,7 @@ def test_int4_prefill_on_emulated_amx_tiles_stays_with_transformers(hf_models, c
     prompt = [(i * 37 + 11) % 700 + 3 for i in range(40)]
     got = {}
     for build in ("vnni", "amx"):
-        engine = LLMEngine(engine_settings(path, cache_dir, cpu_isa="avx512_vnni", quantization="int4",
+        engine = LLMEngine(engine_settings(path, cache_dir, cpu_isa="avx512_vnni", quantization=quantization,
                                            int4_matmul="packed", int4_cache_dir=str(tmp_path)), show_progress=False)
         ops = engine.runner.model.norm.ops
         if build == "amx":
@@ -418,7 +420,7 @@ def test_int4_prefill_on_emulated_amx_tiles_stays_with_transformers(hf_models, c
         assert 40 in rows  # the prefill's matmuls ran on this build
     assert torch.equal(got["vnni"][0], got["amx"][0]) and got["vnni"][1] == got["amx"][1]
     logits, tokens = got["amx"]
-    fake = hf_logits(fake_quantized(model, "int4"), prompt + tokens[:-1])
+    fake = hf_logits(fake_quantized(model, quantization), prompt + tokens[:-1])
     assert ((logits - fake).norm() / fake.norm()).item() < 0.02
 
 

@@ -398,19 +398,21 @@ def test_the_vnni_build_gives_the_avx2_builds_bits(kind, group, cache_dir):
 
 
 @pytest.mark.parametrize("build", ["emulated", "native"])
-@pytest.mark.parametrize("group", [32, 64, 128])
-def test_int4_on_amx_tiles_gives_the_vnni_builds_bits(build, group, cache_dir):
-    """The amx level's int4 path (from 16 rows of x on: TDPBSUD on tiles of 16 rows, the stored
-    nibbles as the unsigned operand) sums the same integer products as vpdpbusd and scales them in
-    the same fp32 operations, so it gives the avx512_vnni build's bits at every M 1..130 (a short
-    last tile, the odd block of 8 rows and the tail rows on the way); so does the experts' grouped
-    call, whose groups of fewer than 16 rows stay on vpdpbusd. The emulated build runs that code on
-    any AVX-512 VNNI CPU; the native one needs AMX."""
+@pytest.mark.parametrize("kind, group", [("int4", 32), ("int4", 64), ("int4", 128), ("int8", 0), ("int8", 32),
+                                         ("int8", 128)])
+def test_quantized_matmuls_on_amx_tiles_give_the_vnni_builds_bits(build, kind, group, cache_dir):
+    """The amx level's packed path (from 16 rows of x on, tiles of 16 rows: int4 on TDPBSUD with
+    the stored nibbles as the unsigned operand, int8 on TDPBSSD straight from the weights) sums the
+    same integer products as vpdpbusd and scales them in the same fp32 operations, so it gives the
+    avx512_vnni build's bits at every M 1..130 (a short last tile, the odd block of 8 rows and the
+    tail rows on the way); so does the experts' grouped call, whose groups of fewer than 16 rows
+    stay on vpdpbusd. The emulated build runs that code on any AVX-512 VNNI CPU; the native one
+    needs AMX."""
     from conftest import amx_kernels
 
     amx = amx_kernels(build, cache_dir)
     vnni = kernels_at_level("avx512_vnni", cache_dir)
-    layers = [make_layer("int4", group, k, "packed") for k in (vnni, amx)]
+    layers = [make_layer(kind, group, k, "packed") for k in (vnni, amx)]
     for layer in layers:
         layer.interleave_for_cpu_kernel()
     g = torch.Generator().manual_seed(5)
@@ -421,7 +423,7 @@ def test_int4_on_amx_tiles_gives_the_vnni_builds_bits(build, group, cache_dir):
     scales = torch.tensor([layers[0].scales.data_ptr()] * 2, dtype=torch.int64)
     ids, starts = torch.tensor([1, 0, 1], dtype=torch.int64), torch.tensor([0, 20, 23, 63], dtype=torch.int64)
     x = torch.randn(63, 256, generator=g)
-    got = [k.qgemm_experts(x, weights, scales, ids, starts, 1, group, 107) for k in (vnni, amx)]
+    got = [k.qgemm_experts(x, weights, scales, ids, starts, layers[0].kind, group, 107) for k in (vnni, amx)]
     assert torch.equal(got[0], got[1])
 
 

@@ -12,8 +12,8 @@ converting the weights to fp32, its gated MLP keeps its intermediate rows in bf1
 prefill attention runs in bf16, and Anna's weight-streaming kernel multiplies its bf16 weights on
 vdpbf16ps from cpu_bf16_dot_min_rows rows of x on (the routing passes that to each call; the
 instruction is compiled into the AVX-512 builds as a function target, run only at this level);
-at amx, the kernels are built with AMX too and run int4 matmuls of 16 rows of x or more on int8
-tiles (csrc/amx_tiles.h; Linux's permission is asked for before they are built, and the built
+at amx, the kernels are built with AMX too and run int4 and int8 matmuls of 16 rows of x or more on
+int8 tiles (csrc/amx_tiles.h; Linux's permission is asked for before they are built, and the built
 tiles must pass a self-check in a child process, their results against the avx512_vnni path's on
 fixed data; a refusal or a failed check falls back to the avx512_vnni build, with a warning).
 ``--cpu-isa`` forces a lower level (an AMX machine then runs the AVX2 path); forcing one the CPU

@@ -39,7 +39,7 @@ CFLAGS = ["-O3", "-fopenmp", "-fPIC"]
 # avx512: the weight-streaming kernel in 512-bit vectors (csrc/cpu_kernels.c), with a bf16 dot product
 # path (vdpbf16ps, a function target) that the caller runs only on CPUs with AVX512-BF16; avx512_vnni:
 # also the quantized dot products on vpdpbusd and int4 tiles of 16 rows (csrc/quant_kernels.c); amx:
-# also int4 matmuls of 16 rows of x or more on AMX int8 tiles, bf16 prompt attention and large-M
+# also int4 and int8 matmuls of 16 rows of x or more on AMX int8 tiles, bf16 prompt attention and large-M
 # bf16 matmuls on bf16 tiles (csrc/amx_tiles.h, csrc/prefill_attention.c, csrc/tile_matmul.c).
 _AVX512 = ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl"]
 LEVEL_CFLAGS = {

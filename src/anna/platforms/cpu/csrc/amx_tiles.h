@@ -1,14 +1,15 @@
-/* AMX tile operations for the int4 kernel's AMX path (quant_kernels.c) and prompt attention's
- * (prefill_attention.c), and their emulation.
+/* AMX tile operations for the int4 and int8 kernels' AMX path (quant_kernels.c) and prompt
+ * attention's (prefill_attention.c), and their emulation.
  *
  * ANNA_AMX is 1 in the amx level's build (-mamx-tile -mamx-int8 -mamx-bf16: kernels.py
  * LEVEL_CFLAGS), where the operations below are the AMX instructions, and in a build with
  * ANNA_AMX_EMULATE defined, where they are plain C with the instructions' semantics (Intel's
- * pseudocode for LDTILECFG, TILELOADD, TILESTORED, TILEZERO, TDPBSUD and TDPBF16PS). The emulated build runs the very kernel code that
- * the AMX build runs on CPUs without AMX, so that its layout, padding and scaling are tested
- * everywhere (tests/test_quantization.py, tests/test_cpu_isa.py), and it traps where the CPU would
- * fault (a configuration LDTILECFG rejects, a tile used unconfigured or in mismatched shapes); only
- * the instructions themselves need an AMX CPU.
+ * pseudocode for LDTILECFG, TILELOADD, TILESTORED, TILEZERO, TDPBSUD, TDPBSSD and TDPBF16PS). The
+ * emulated build runs the very kernel code that the AMX build runs on CPUs without AMX, so that its
+ * layout, padding and scaling are tested everywhere (tests/test_quantization.py,
+ * tests/test_cpu_isa.py), and it traps where the CPU would fault (a configuration LDTILECFG
+ * rejects, a tile used unconfigured or in mismatched shapes); only the instructions themselves
+ * need an AMX CPU.
  *
  * Tiles are thread state: each thread loads the configuration before its first tile operation
  * and releases the tiles when done. Linux also wants the process to ask for the tile data state
@@ -81,8 +82,9 @@ static inline void amx_emulated_store(int t, void *base, long stride) {
 
 static inline void amx_emulated_zero(int t) { memset(amx_emulated_tile_in_use(t)->data, 0, sizeof(amx_emulated[t].data)); }
 
-/* dst[m][n] += sum over k, i < 4 of a[m][4k + i] (signed) * b[k][4n + i] (unsigned) */
-static inline void amx_emulated_dpbsud(int dst, int a, int b) {
+/* dst[m][n] += sum over k, i < 4 of a[m][4k + i] (signed) * b[k][4n + i]: unsigned (TDPBSUD) or,
+ * where b_signed, signed (TDPBSSD) */
+static inline void amx_emulated_dpbs(int dst, int a, int b, int b_signed) {
     AMX_EMULATED_CHECK(dst != a && dst != b && a != b);
     amx_emulated_tile *c = amx_emulated_tile_in_use(dst), *x = amx_emulated_tile_in_use(a),
                       *w = amx_emulated_tile_in_use(b);
@@ -92,8 +94,10 @@ static inline void amx_emulated_dpbsud(int dst, int a, int b) {
             int32_t sum;
             memcpy(&sum, c->data[m] + 4 * n, 4);
             for (int k = 0; k < x->colsb / 4; k++)
-                for (int i = 0; i < 4; i++)
-                    sum += (int32_t)(int8_t)x->data[m][4 * k + i] * (int32_t)w->data[k][4 * n + i];
+                for (int i = 0; i < 4; i++) {
+                    uint8_t wb = w->data[k][4 * n + i];
+                    sum += (int32_t)(int8_t)x->data[m][4 * k + i] * (b_signed ? (int32_t)(int8_t)wb : (int32_t)wb);
+                }
             memcpy(c->data[m] + 4 * n, &sum, 4);
         }
 }
@@ -128,7 +132,8 @@ static inline void amx_emulated_dpbf16ps(int dst, int a, int b) {
 #define AMX_LOAD(t, base, stride) amx_emulated_load(t, base, stride)
 #define AMX_STORE(t, base, stride) amx_emulated_store(t, base, stride)
 #define AMX_ZERO(t) amx_emulated_zero(t)
-#define AMX_DPBSUD(dst, a, b) amx_emulated_dpbsud(dst, a, b)
+#define AMX_DPBSUD(dst, a, b) amx_emulated_dpbs(dst, a, b, 0)
+#define AMX_DPBSSD(dst, a, b) amx_emulated_dpbs(dst, a, b, 1)
 #define AMX_DPBF16PS(dst, a, b) amx_emulated_dpbf16ps(dst, a, b)
 #define AMX_RELEASE() (amx_emulated_configured = 0)
 #define AMX_REQUEST_TILES() 0
@@ -148,6 +153,7 @@ static inline void amx_emulated_dpbf16ps(int dst, int a, int b) {
 #define AMX_STORE(t, base, stride) _tile_stored(t, base, stride)
 #define AMX_ZERO(t) _tile_zero(t)
 #define AMX_DPBSUD(dst, a, b) _tile_dpbsud(dst, a, b)
+#define AMX_DPBSSD(dst, a, b) _tile_dpbssd(dst, a, b)
 #define AMX_DPBF16PS(dst, a, b) _tile_dpbf16ps(dst, a, b)
 #define AMX_RELEASE() _tile_release()
 

@@ -422,14 +422,17 @@ INLINE void lane_tile16_s8(int TM, const int8_t *w, const void *ws, long G, cons
 #if !ANNA_VNNI
 #error "the AMX path is built on the avx512_vnni level's flags (kernels.py: LEVEL_CFLAGS)"
 #endif
-/* int4 on AMX int8 tiles (the amx level; amx_tiles.h). Per run of 32 input columns, one TDPBSUD
- * multiplies 16 rows of x (tile A: x quantized to int8, signed) by a unit's 16 weight rows (tile
- * B: the stored nibbles q = w + 8, unsigned), into 16 x 16 int32 sums (tile C). A unit's row
- * lanes are already B's layout (4 consecutive columns of each row side by side): B's row l < 4 is
- * vector l's low nibbles of both blocks of 8 rows, its row 4 + l their high nibbles. Each run has
- * its own scales, so C is stored and scaled after every run (32 columns: half a tile's depth),
- * starting from the run's xo and in lane_tile16's fp32 operations, so both paths give the same
- * bits. The A tile reads 16 rows of x: qgemm_groups pads xq for the last, short tile. */
+/* int4 and int8 on AMX int8 tiles (the amx level; amx_tiles.h). Per run of 32 input columns, one
+ * tile multiply takes 16 rows of x (tile A: x quantized to int8, signed) times a unit's 16 weight
+ * rows (tile B) into 16 x 16 int32 sums (tile C). A unit's row lanes are already B's layout (4
+ * consecutive columns of each row side by side): for int8 a unit's run is B as it is, 8 rows of
+ * 64 bytes (vector l of both blocks), multiplied signed by signed (TDPBSSD), with no copy; for int4
+ * B's row l < 4 is vector l's low nibbles of both blocks, its row 4 + l their high nibbles, the
+ * stored q = w + 8 unsigned (TDPBSUD), unpacked once per unit and pass. Each run has its own
+ * scales, so C is stored and scaled after every run (32 columns: half a tile's depth), starting
+ * from where lane_tile16's (int4) or lane_tile16_s8's (int8) sums would end up and in their fp32
+ * operations, so both paths give the same bits. The A tile reads 16 rows of x: qgemm_groups pads
+ * xq for the last, short tile. */
 #define AMX_ROWS 16       /* rows of x per tile; fewer rows of x run lane_tile16 */
 #define AMX_X_BLOCK 128   /* rows of x per pass over a thread's units (not measured on an AMX CPU yet) */
 #define AMX_RUN_BYTES 512 /* one run's B tile: 8 rows of 64 bytes */
@@ -447,7 +450,7 @@ static void amx_configure(void) {
     AMX_LOAD_CONFIG(&cfg);
 }
 
-/* A unit's weights (two blocks of 8 rows) as B tiles, [K / 32][8][64] */
+/* An int4 unit's weights (two blocks of 8 rows) as B tiles, [K / 32][8][64] */
 static void amx_unpack_unit(const uint8_t *w, long K, uint8_t *tiles) {
     const __m512i low = _mm512_set1_epi8(0x0F);
     for (long b = 0; b < K / 32; b++)
@@ -458,52 +461,74 @@ static void amx_unpack_unit(const uint8_t *w, long K, uint8_t *tiles) {
         }
 }
 
-/* TM (<= 16) rows of x times a unit whose B tiles are `tiles`: lane_tile16's result, stored as it does */
-INLINE void amx_tile16(int TM, const uint8_t *tiles, const uint16_t *gs, const float *bias, const int8_t *xq,
+/* TM (<= 16) rows of x times a unit whose B tiles are `tiles` (kind 1: int4, unpacked; kind 0:
+ * int8, the unit's own runs), with the unit's scales `ws` (as run_lanes passes them) and bias:
+ * lane_tile16's or lane_tile16_s8's result, stored as they do */
+INLINE void amx_tile16(int kind, int TM, const uint8_t *tiles, const void *ws, const float *bias, const int8_t *xq,
                        const float *xs, const int32_t *xo, long K, long G, float *y, long ystride, int stream) {
     long blocks = K / 32;
     int gshift = group_shift(G);
+    int row_scales = kind == 0 && !G;  /* int8 with a scale per row: applied with the bias at the end */
     int32_t sums[AMX_ROWS][16] __attribute__((aligned(64)));
     __m512 accf[AMX_ROWS];
-    for (int m = 0; m < TM; m++) accf[m] = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
+    for (int m = 0; m < TM; m++) accf[m] = bias && !row_scales ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
     for (long b = 0; b < blocks; b++) {
         AMX_LOAD(AMX_B, tiles + b * AMX_RUN_BYTES, 64);
         AMX_LOAD(AMX_A, xq + b * 32, K);
         AMX_ZERO(AMX_C);
-        AMX_DPBSUD(AMX_C, AMX_A, AMX_B);
+        if (kind)
+            AMX_DPBSUD(AMX_C, AMX_A, AMX_B);
+        else
+            AMX_DPBSSD(AMX_C, AMX_A, AMX_B);
         AMX_STORE(AMX_C, sums, 64);
-        __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(gs + (b >> gshift) * 2 * LANE_ROWS)));
+        __m512 scale = row_scales ? _mm512_setzero_ps()
+                                  : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)ws +
+                                                                                         (b >> gshift) * 2 * LANE_ROWS)));
         for (int m = 0; m < TM; m++) {
-            __m512i acc = _mm512_add_epi32(_mm512_set1_epi32(xo[m * blocks + b]), _mm512_load_si512(sums[m]));
-            accf[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_mul_ps(scale, _mm512_set1_ps(xs[m * blocks + b])),
-                                      accf[m]);
+            __m512i acc = _mm512_load_si512(sums[m]);  /* int8: the sum of w x, where the lanes' sums end */
+            if (kind) acc = _mm512_add_epi32(_mm512_set1_epi32(xo[m * blocks + b]), acc);
+            __m512 sx = _mm512_set1_ps(xs[m * blocks + b]);
+            accf[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), row_scales ? sx : _mm512_mul_ps(scale, sx), accf[m]);
         }
+    }
+    if (row_scales) {
+        __m512 rs = _mm512_loadu_ps((const float *)ws), bv = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
+        for (int m = 0; m < TM; m++) accf[m] = _mm512_fmadd_ps(accf[m], rs, bv);
     }
     store_rows16(y, ystride, accf, TM, stream);
 }
 
-/* int4 on tiles: units [u0, u1) for all M rows of x; each unit's B tiles are unpacked once per
- * AMX_X_BLOCK rows of x and serve all of them. */
-static void run_int4_amx(const int8_t *xq, const float *xs, const int32_t *xo, const uint8_t *w, const uint16_t *ws,
-                         const float *bias, float *y, long M, long N, long K, long G, long u0, long u1, int stream) {
-    long unit = 2 * LANE_ROWS, blocks = K / 32;
-    uint8_t *tiles = (uint8_t *)aligned_alloc(64, blocks * AMX_RUN_BYTES);
+/* Units [u0, u1) of kind 0 (int8) or 1 (int4) on tiles for all M rows of x; an int4 unit's B
+ * tiles are unpacked once per AMX_X_BLOCK rows of x and serve all of them. */
+static void run_amx(int kind, const int8_t *xq, const float *xs, const int32_t *xo, const void *w, const void *ws,
+                    const float *bias, float *y, long M, long N, long K, long G, long u0, long u1, int stream) {
+    long unit = 2 * LANE_ROWS, blocks = K / 32, row_bytes = kind ? K / 2 : K;
+    uint8_t *tiles = kind ? (uint8_t *)aligned_alloc(64, blocks * AMX_RUN_BYTES) : NULL;
     amx_configure();
     for (long m0 = 0; m0 < M; m0 += AMX_X_BLOCK) {
         long m1 = m0 + AMX_X_BLOCK < M ? m0 + AMX_X_BLOCK : M;
         for (long u = u0; u < u1; u++) {
             long n = u * unit;
-            const uint16_t *gp = ws + n * (K / G);
+            const uint8_t *wp = (const uint8_t *)w + n * row_bytes;
+            const void *sp = kind == 0 && !G ? (const void *)((const float *)ws + n)
+                                             : (const void *)((const uint16_t *)ws + n * (K / G));
             const float *bp = bias ? bias + n : NULL;
-            amx_unpack_unit(w + n * (K / 2), K, tiles);
+            if (kind) amx_unpack_unit(wp, K, tiles);
+            const uint8_t *bt = kind ? tiles : wp;
             for (long m = m0; m < m1; m += AMX_ROWS) {
                 const int8_t *mq = xq + m * K;
                 const float *ms = xs + m * blocks;
                 const int32_t *mo = xo + m * blocks;
-                if (m1 - m >= AMX_ROWS)
-                    amx_tile16(AMX_ROWS, tiles, gp, bp, mq, ms, mo, K, G, y + m * N + n, N, stream);
-                else
-                    amx_tile16((int)(m1 - m), tiles, gp, bp, mq, ms, mo, K, G, y + m * N + n, N, stream);
+#define AMX_TILE(KIND, TM) amx_tile16(KIND, TM, bt, sp, bp, mq, ms, mo, K, G, y + m * N + n, N, stream)
+                if (m1 - m >= AMX_ROWS) {  /* (a whole tile's rows as a constant) */
+                    if (kind) AMX_TILE(1, AMX_ROWS);
+                    else AMX_TILE(0, AMX_ROWS);
+                } else if (kind) {
+                    AMX_TILE(1, (int)(m1 - m));
+                } else {
+                    AMX_TILE(0, (int)(m1 - m));
+                }
+#undef AMX_TILE
             }
         }
     }
@@ -579,8 +604,8 @@ INLINE void run_units(int kind, const int8_t *xq, const float *xs, const int32_t
                       int stream) {
     long unit = 2 * LANE_ROWS;
 #if ANNA_AMX
-    if (kind == 1 && M >= AMX_ROWS && u1 > u0) {  /* int4's units on tiles; the odd block of 8 rows below */
-        run_int4_amx(xq, xs, xo, (const uint8_t *)w, (const uint16_t *)ws, bias, y, M, N, K, G, u0, u1, stream);
+    if (M >= AMX_ROWS && u1 > u0) {  /* the units on tiles; the odd block of 8 rows below */
+        run_amx(kind, xq, xs, xo, w, ws, bias, y, M, N, K, G, u0, u1, stream);
         u0 = u1;
     }
 #endif
@@ -593,31 +618,40 @@ INLINE void run_units(int kind, const int8_t *xq, const float *xs, const int32_t
 }
 
 #if ANNA_AMX
-/* The tiles against the lanes (the int4 path of the levels below amx) on fixed data, which must
- * agree to the bit: 0 when they do, the number of outputs that differ (at most 100) when not, -1
- * when Linux refuses the tiles. kernels.py runs it in a child process before it trusts the amx
- * level, so that a CPU or hypervisor whose tiles misbehave costs a warning, not a crash or wrong
- * tokens. 20 rows of x (a full tile and a short one), 2 units of 16 weight rows, 4 runs of 32
- * columns with a scale per run. */
+/* The tiles against the lanes (the path of the levels below amx) on fixed data, which must agree to
+ * the bit: 0 when they do, the number of outputs that differ (at most 100) when not, -1 when Linux
+ * refuses the tiles. kernels.py runs it in a child process before it trusts the amx level, so that
+ * a CPU or hypervisor whose tiles misbehave costs a warning, not a crash or wrong tokens. 20 rows
+ * of x (a full tile and a short one), 2 units of 16 weight rows, 4 runs of 32 columns: int4 with a
+ * scale per run, int8 with a scale per run and with one per row. */
 int anna_amx_self_check(void) {
     enum { M = 20, N = 4 * LANE_ROWS, K = 128, G = 32, BLOCKS = K / 32 };
     if (AMX_REQUEST_TILES() != 0) return -1;
-    static float x[M * K], tiles_y[M * N], lanes_y[M * N], bias[N];
+    static float x[M * K], tiles_y[M * N], lanes_y[M * N], bias[N], row_scales[N];
     static int8_t xq[(M + AMX_ROWS) * K];  /* zero past row M: a tile reads 16 rows */
     static float xs[M * BLOCKS];
     static int32_t xo[M * BLOCKS];
-    static uint8_t w[N * K / 2];
+    static uint8_t w[N * K];
     static uint16_t ws[N * (K / G)];
     for (long i = 0; i < M * K; i++) x[i] = sinf(0.37f * (float)i) * (float)(1 + i % 7);
-    for (long i = 0; i < N * K / 2; i++) w[i] = (uint8_t)(i * 37 + 11);
+    for (long i = 0; i < N * K; i++) w[i] = (uint8_t)(i * 37 + 11);
     for (long i = 0; i < N * (K / G); i++) ws[i] = (uint16_t)(0x3000 + (i * 53) % 0x800);  /* 0.125 .. 0.5 */
-    for (long i = 0; i < N; i++) bias[i] = 0.25f * (float)(i % 5) - 0.5f;
+    for (long i = 0; i < N; i++) {
+        bias[i] = 0.25f * (float)(i % 5) - 0.5f;
+        row_scales[i] = 0.01f * (float)(1 + i % 3);
+    }
     for (long m = 0; m < M; m++) quantize_x_row(x + m * K, xq + m * K, xs + m * BLOCKS, xo + m * BLOCKS, K);
     long unit = 2 * LANE_ROWS;
-    run_int4_amx(xq, xs, xo, w, ws, bias, tiles_y, M, N, K, G, 0, N / unit, 0);
-    for (long u = 0; u < N / unit; u++) run_lanes(1, 2, xq, xs, xo, w, ws, bias, lanes_y, N, K, G, u * unit, 0, M, 0);
     int differ = 0;
-    for (long i = 0; i < M * N; i++) differ += memcmp(&tiles_y[i], &lanes_y[i], sizeof(float)) != 0;
+    for (int c = 0; c < 3; c++) {  /* int4 groups of G, int8 groups of G, int8 row scales */
+        int kind = c == 0;
+        long g = c == 2 ? 0 : G;
+        const void *scales = c == 2 ? (const void *)row_scales : (const void *)ws;
+        run_amx(kind, xq, xs, xo, w, scales, bias, tiles_y, M, N, K, g, 0, N / unit, 0);
+        for (long u = 0; u < N / unit; u++)
+            run_lanes(kind, 2, xq, xs, xo, w, scales, bias, lanes_y, N, K, g, u * unit, 0, M, 0);
+        for (long i = 0; i < M * N; i++) differ += memcmp(&tiles_y[i], &lanes_y[i], sizeof(float)) != 0;
+    }
     return differ < 100 ? differ : 100;
 }
 #endif
