@@ -173,6 +173,15 @@ INLINE int group_shift(long G) { return G >= 128 ? 2 : G == 64 ? 1 : 0; }
 /* int8: the scale applied to a row's whole sum: its own (G = 0), else 1 (each run had its group's) */
 INLINE float s8_row_scale(const void *ws, long n, long G) { return G ? 1.0f : ((const float *)ws)[n]; }
 
+/* Bytes of one weight row: kind 0 int8, kind 1 int4 */
+INLINE long row_bytes(int kind, long K) { return kind ? K / 2 : K; }
+
+/* The scales of the block or unit that starts at row n: int8's per row (fp32, G = 0), else the
+ * group scales (fp16, in the blocks' layout) */
+INLINE const void *unit_scales(int kind, const void *ws, long n, long K, long G) {
+    return kind == 0 && !G ? (const void *)((const float *)ws + n) : (const void *)((const uint16_t *)ws + n * (K / G));
+}
+
 /* One row-major row (the tail rows). kind 0: int8 rows (row or group scales); kind 1: int4 groups of G. */
 INLINE float row_dot(int kind, const void *w, const void *ws, long n, long K, long G, const int8_t *xq,
                      const float *xs, const int32_t *xo) {
@@ -502,16 +511,15 @@ INLINE void amx_tile16(int kind, int TM, const uint8_t *tiles, const void *ws, c
  * tiles are unpacked once per AMX_X_BLOCK rows of x and serve all of them. */
 static void run_amx(int kind, const int8_t *xq, const float *xs, const int32_t *xo, const void *w, const void *ws,
                     const float *bias, float *y, long M, long N, long K, long G, long u0, long u1, int stream) {
-    long unit = 2 * LANE_ROWS, blocks = K / 32, row_bytes = kind ? K / 2 : K;
+    long unit = 2 * LANE_ROWS, blocks = K / 32;
     uint8_t *tiles = kind ? (uint8_t *)aligned_alloc(64, blocks * AMX_RUN_BYTES) : NULL;
     amx_configure();
     for (long m0 = 0; m0 < M; m0 += AMX_X_BLOCK) {
         long m1 = m0 + AMX_X_BLOCK < M ? m0 + AMX_X_BLOCK : M;
         for (long u = u0; u < u1; u++) {
             long n = u * unit;
-            const uint8_t *wp = (const uint8_t *)w + n * row_bytes;
-            const void *sp = kind == 0 && !G ? (const void *)((const float *)ws + n)
-                                             : (const void *)((const uint16_t *)ws + n * (K / G));
+            const uint8_t *wp = (const uint8_t *)w + n * row_bytes(kind, K);
+            const void *sp = unit_scales(kind, ws, n, K, G);
             const float *bp = bias ? bias + n : NULL;
             if (kind) amx_unpack_unit(wp, K, tiles);
             const uint8_t *bt = kind ? tiles : wp;
@@ -550,11 +558,9 @@ INLINE void run_lanes(int kind, int TW, const int8_t *xq, const float *xs, const
                       const void *ws, const float *bias, float *y, long N, long K, long G, long n, long m0, long m1,
                       int stream) {
     long blocks = K / 32;
-    long unit_bytes = 2 * LANE_ROWS * (kind ? K / 2 : K);
-    const uint8_t *wp = (const uint8_t *)w + n * (kind ? K / 2 : K);
-    /* the blocks' scales: int8's per row (fp32), or per group (fp16) */
-    const void *sp = kind == 0 && !G ? (const void *)((const float *)ws + n)
-                                     : (const void *)((const uint16_t *)ws + n * (K / G));
+    long unit_bytes = 2 * LANE_ROWS * row_bytes(kind, K);
+    const uint8_t *wp = (const uint8_t *)w + n * row_bytes(kind, K);
+    const void *sp = unit_scales(kind, ws, n, K, G);
     const float *bp = bias ? bias + n : NULL;
 #if ANNA_VNNI
     if (TW == 2) {  /* 32 registers: tiles of up to LANE_TILE_X16 rows of x */
@@ -751,7 +757,7 @@ void anna_qgemm_experts(const float *x, const int64_t *w, const int64_t *ws, con
  * into `run` and then written in the output's type. */
 void anna_dequant(const void *w, const void *ws, int kind, long G, const long *rows, long R, long N, long K,
                   void *out, int bf16, int threads) {
-    long packed = N / LANE_ROWS * LANE_ROWS, groups = G ? K / G : 0, row_bytes = kind ? K / 2 : K;
+    long packed = N / LANE_ROWS * LANE_ROWS, groups = G ? K / G : 0, bytes = row_bytes(kind, K);
     #pragma omp parallel for num_threads(threads) if (R > 16)
     for (long i = 0; i < R; i++) {
         long n = rows ? rows[i] : i;
@@ -764,7 +770,7 @@ void anna_dequant(const void *w, const void *ws, int kind, long G, const long *r
             start = n - n % (2 * LANE_ROWS);
             t = (n - start) / LANE_ROWS;
         }
-        const uint8_t *base = (const uint8_t *)w + start * row_bytes;
+        const uint8_t *base = (const uint8_t *)w + start * bytes;
         const uint16_t *gs = (const uint16_t *)ws + start * groups;
         for (long k = 0; k < K; k += 32) {
             float run[32];
