@@ -20,8 +20,8 @@ beside short ones, which the threads must still share evenly).
 
 --prefill: a prompt's causal attention over itself instead (one layer, --contexts tokens): Anna's
 kernel (csrc/prefill_attention.c) in fp32 and in bf16 (vdpbf16ps, or AMX tiles on an AMX CPU: run
-it on a CPU with AVX512-BF16) against torch's SDPA in fp32 and in bf16, alternated, best of
---repeats, in ms per layer and GFLOPS.
+it on a CPU with AVX512-BF16) against torch's SDPA in fp32 and in bf16 (and --baseline-kernels'
+kernel in both), alternated, best of --repeats, in ms per layer and GFLOPS.
 """
 
 from __future__ import annotations
@@ -59,7 +59,8 @@ def step_ms(kernels, caches: list[PagedKV], tables: torch.Tensor, q: torch.Tenso
     return (time.perf_counter() - t0) * 1e3
 
 
-def prefill_rows(kernels, contexts: list[int], heads: int, kv_heads: int, dim: int, repeats: int) -> list[dict]:
+def prefill_rows(kernels, contexts: list[int], heads: int, kv_heads: int, dim: int, repeats: int,
+                 baseline: CpuKernels | None = None) -> list[dict]:
     import torch.nn.functional as F
 
     def sdpa(dtype: torch.dtype):
@@ -71,6 +72,9 @@ def prefill_rows(kernels, contexts: list[int], heads: int, kv_heads: int, dim: i
     paths = {"anna_fp32": lambda q, k, v: kernels.causal_attention(q, k, v, dim ** -0.5),
              "anna_bf16": lambda q, k, v: kernels.causal_attention(q, k, v, dim ** -0.5, bf16=True),
              "torch_sdpa_fp32": sdpa(torch.float32), "torch_sdpa_bf16": sdpa(torch.bfloat16)}
+    if baseline is not None:
+        paths["baseline_fp32"] = lambda q, k, v: baseline.causal_attention(q, k, v, dim ** -0.5)
+        paths["baseline_bf16"] = lambda q, k, v: baseline.causal_attention(q, k, v, dim ** -0.5, bf16=True)
     rows = []
     for tokens in contexts:
         q, k, v = (torch.randn(tokens, n, dim) for n in (heads, kv_heads, kv_heads))
@@ -118,8 +122,9 @@ def main() -> None:
     if kernels is None:
         raise SystemExit("Anna's CPU kernels could not be built on this machine")
     if args.prefill:
+        baseline = CpuKernels(args.baseline_kernels, kernels.level) if args.baseline_kernels else None
         print(json.dumps(prefill_rows(kernels, args.contexts, args.heads, args.kv_heads, args.head_dim,
-                                      args.repeats), indent=1))
+                                      args.repeats, baseline), indent=1))
         return
     builds = {"ms_per_step": kernels}
     if args.baseline_kernels:

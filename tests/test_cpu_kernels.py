@@ -526,14 +526,15 @@ def test_panel_gated_activation_is_silu_gate_times_up(cache_dir):
 
 
 def test_bf16_prefill_attention_runs_fp32_where_it_cannot_run_bf16(kernels):
-    """The avx2 build, and a head size that is not a multiple of 16, run the fp32 kernel for bf16=True."""
+    """The avx2 build, and a head size that is not a multiple of 16 or is over 256, run the fp32
+    kernel for bf16=True."""
     if kernels.level != "avx2":
         bf16_dot(kernels)  # (an AVX-512 build asked for bf16 on a CPU without it would fault)
     g = torch.Generator().manual_seed(6)
-    for dim in (64, 72):
+    for dim in (64, 72, 256, 272):
         q, k, v = (torch.randn(40, 2, dim, generator=g) for _ in range(3))
         fp32 = kernels.causal_attention(q, k, v, dim ** -0.5)
-        same = kernels.level == "avx2" or dim % 16
+        same = kernels.level == "avx2" or dim % 16 or dim > 256
         assert torch.equal(kernels.causal_attention(q, k, v, dim ** -0.5, bf16=True), fp32) == bool(same), dim
 
 

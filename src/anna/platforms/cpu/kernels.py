@@ -459,7 +459,7 @@ class CpuKernels:
         q [Tq, H, D], k, v [Tk, KV, D] -> fp32 [Tq, H, D]; D a multiple of 8. ``window``: each
         query sees only its last ``window`` keys. ``bf16``: both products in bf16, on AMX tiles
         where ``tile_attention`` says so, else on vdpbf16ps (only on a CPU with AVX512-BF16; the avx2
-        build, or D not a multiple of 16, runs fp32)."""
+        build, or D not a multiple of 16 or over 256, runs fp32)."""
         q, k, v = (t.float().contiguous() for t in (q, k, v))
         tokens, heads, dim = q.shape
         out = torch.empty_like(q)

@@ -269,11 +269,11 @@ class CpuKernelOps(CpuTorchOps):
                          mask: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
         """Anna's kernel: in bf16 where attention_dtype is bf16, which build_ops sets only on CPUs
         with hardware bf16 (on AMX tiles at the amx level, else on vdpbf16ps), else fp32. On a 2-core
-        Zen 4 at 2,048 tokens the vdpbf16ps kernel ran 1.9x the fp32 one and 2.3x torch's SDPA in
+        Zen 4 at 2,048 tokens the vdpbf16ps kernel ran 2.1x the fp32 one and 2.7x torch's SDPA in
         bf16; on a 2-vCPU AMX Xeon the tiles ran 1.4-2x SDPA in bf16 at 64-2,048 tokens, while SDPA
-        (oneDNN's tiles) ran several times the vdpbf16ps kernel (benchmarks/attention_bench.py
-        --prefill). So at the amx level a head size the tiles do not take goes to SDPA, and a
-        context of routing.sdpa_min_tokens or more does."""
+        (oneDNN's tiles) ran 2-3x an earlier vdpbf16ps kernel, of which today's runs 1.3-1.4x on
+        Zen 4 (benchmarks/attention_bench.py --prefill). So at the amx level a head size the tiles
+        do not take goes to SDPA, and a context of routing.sdpa_min_tokens or more does."""
         bf16, dim, sdpa = self.attention_dtype == torch.bfloat16, q.shape[-1], self.routing.sdpa_min_tokens
         on_sdpa = (dim % 8 or (bf16 and self.kernels.level == "amx" and not self.kernels.tile_attention(dim))
                    or (sdpa and k.shape[0] >= sdpa))

@@ -18,10 +18,9 @@
  * exact softmax by rounding only.
  *
  * bf16 = 1 (a bf16 model on a CPU with AVX512-BF16; the avx512 levels' builds): q, k, v are rounded
- * to bf16 once and both products run on vdpbf16ps, two products per fp32 lane, twice the FMA's rate
- * on Zen 4: scores over pairs of head dimensions, q . k for 16 keys per instruction; the weighted
- * sum of V over pairs of keys, 16 output columns per instruction, with the probabilities rounded to
- * bf16 (as a bf16 SDPA rounds them before its second matmul). The running maximum, the
+ * to bf16 once and both products run in bf16, two products per fp32 lane (twice the FMA's rate on
+ * Zen 4), with the probabilities rounded to bf16 (as a bf16 SDPA rounds them before its second
+ * matmul): transposed_attention below, on vdpbf16ps or on AMX tiles. The running maximum, the
  * exponentials, the sums and the output stay fp32. */
 #include <immintrin.h>
 #include <math.h>
@@ -79,75 +78,6 @@ static void add_weighted_rows(float *o, const float *p, int n, const float *v, l
     for (; d0 < D; d0 += 8) add_weighted_cols(1, o + d0, p, n, v + d0, v_stride);
 }
 
-#ifdef __AVX512F__
-#define BF16_TARGET __attribute__((target("avx512bf16")))
-#define PAIR(p) _mm512_set1_epi32(*(const int32_t *)(p)) /* two bf16 values, in every 32-bit lane */
-
-/* S[r][0..BK) = q_r . the block's BK keys for rows [r0, r0 + n) (n <= 4). kb: the block as bf16
- * pairs, [D / 2][BK][2] (pair i of key c: its dimensions 2i, 2i + 1), so one vector holds 16 keys'
- * pairs; qr: rows of q in bf16. */
-BF16_TARGET INLINE void score_tile_bf16(int n, const uint16_t *const *qr, const uint16_t *kb, long D, float *S,
-                                        long r0) {
-    __m512 acc[ROWS_PER_TILE][BK / 16];
-    for (int i = 0; i < n; i++)
-        for (int t = 0; t < BK / 16; t++) acc[i][t] = _mm512_setzero_ps();
-    for (long d = 0; d < D; d += 2) {
-        __m512bh k[BK / 16];
-        for (int t = 0; t < BK / 16; t++) k[t] = (__m512bh)_mm512_loadu_si512(kb + (d / 2 * BK + 16 * t) * 2);
-        for (int i = 0; i < n; i++) {
-            __m512bh qv = (__m512bh)PAIR(qr[i] + d);
-            for (int t = 0; t < BK / 16; t++) acc[i][t] = _mm512_dpbf16_ps(acc[i][t], k[t], qv);
-        }
-    }
-    for (int i = 0; i < n; i++)
-        for (int t = 0; t < BK / 16; t++) _mm512_storeu_ps(S + (r0 + i) * BK + 16 * t, acc[i][t]);
-}
-
-/* O[r][d0 .. d0 + 16W) += sum over keys c in [c0, c1) (c0 even) of P[r][c] v_c, rows r < n (n <= 4).
- * P: bf16 rows BK apart, zero where a row does not see the key; vp: the block's values as bf16
- * pairs, [BK / 2][D][2] (pair j, column d: keys 2j and 2j + 1), so one vector is 16 columns of a
- * pair of keys. */
-BF16_TARGET INLINE void weighted_tile_bf16(int n, int W, const uint16_t *P, long c0, long c1, const uint16_t *vp,
-                                           long D, float *O, long d0) {
-    __m512 acc[ROWS_PER_TILE][4];
-    for (int i = 0; i < n; i++)
-        for (int j = 0; j < W; j++) acc[i][j] = _mm512_loadu_ps(O + i * D + d0 + 16 * j);
-    for (long c = c0; c < c1; c += 2) {
-        __m512bh v[4];
-        for (int j = 0; j < W; j++) v[j] = (__m512bh)_mm512_loadu_si512(vp + (c / 2 * D + d0 + 16 * j) * 2);
-        for (int i = 0; i < n; i++) {
-            __m512bh pv = (__m512bh)PAIR(P + i * BK + c);
-            for (int j = 0; j < W; j++) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], v[j], pv);
-        }
-    }
-    for (int i = 0; i < n; i++)
-        for (int j = 0; j < W; j++) _mm512_storeu_ps(O + i * D + d0 + 16 * j, acc[i][j]);
-}
-
-/* The tiles of rows [r0, r0 + n) over keys [c0, c1) of a block, 64 output columns at a time */
-BF16_TARGET static void weighted_rows_bf16(int n, const uint16_t *P, long c0, long c1, const uint16_t *vp, long D,
-                                           float *O) {
-    long d0 = 0;
-#define WEIGHTED_CASE(N)                                                                              \
-    case N:                                                                                           \
-        for (d0 = 0; d0 + 64 <= D; d0 += 64) weighted_tile_bf16(N, 4, P, c0, c1, vp, D, O, d0);      \
-        for (; d0 < D; d0 += 16) weighted_tile_bf16(N, 1, P, c0, c1, vp, D, O, d0);                  \
-        break;
-    switch (n) { WEIGHTED_CASE(1) WEIGHTED_CASE(2) WEIGHTED_CASE(3) default: WEIGHTED_CASE(4) }
-#undef WEIGHTED_CASE
-}
-
-BF16_TARGET static void score_rows_bf16(int n, const uint16_t *const *qr, const uint16_t *kb, long D, float *S,
-                                        long r0) {
-    switch (n) {
-    case 1: score_tile_bf16(1, qr, kb, D, S, r0); break;
-    case 2: score_tile_bf16(2, qr, kb, D, S, r0); break;
-    case 3: score_tile_bf16(3, qr, kb, D, S, r0); break;
-    default: score_tile_bf16(4, qr, kb, D, S, r0); break;
-    }
-}
-#endif
-
 /* K per head in transposed blocks, [KV][T / BK][D][BK] (zero-padded): a block is one contiguous
  * 16 KB at D = 64 (rows of a whole-T transpose, a power of two apart, would fall in the same cache
  * sets); V per head, [KV][T][D]. The threads share the (head, block) pairs. */
@@ -165,46 +95,30 @@ static void pack_fp32(const float *k, const float *v, float *kt, float *vh, long
         }
 }
 
-/* The bf16 layouts (zero-padded to whole blocks): K per head and block as pairs of dimensions,
- * [KV][T / BK][D / 2][BK][2]; V per head as pairs of keys, [KV][T / 2][D][2]; q row by row. */
-static void pack_bf16(const float *q, const float *k, const float *v, uint16_t *qh, uint16_t *kp, uint16_t *vp,
-                      long Tq, long H, long T, long KV, long D, long nkb) {
-    long Tp = nkb * BK;
-    #pragma omp for collapse(2) schedule(static)
-    for (long g = 0; g < KV; g++)
-        for (long b = 0; b < nkb; b++) {
-            uint16_t *kd = kp + (g * nkb + b) * D * BK, *vd = vp + (g * Tp + b * BK) * D;
-            for (long c = 0; c < BK; c++) {
-                long t = b * BK + c;
-                for (long d = 0; d < D; d++) {
-                    kd[(d / 2 * BK + c) * 2 + d % 2] = t < T ? to_bf16(k[(t * KV + g) * D + d]) : 0;
-                    vd[(c / 2 * D + d) * 2 + c % 2] = t < T ? to_bf16(v[(t * KV + g) * D + d]) : 0;
-                }
-            }
-        }
-    #pragma omp for schedule(static)
-    for (long i = 0; i < Tq * H * D; i += 8) store8_bf16(qh + i, _mm256_loadu_ps(q + i));  /* D % 16 == 0 */
-}
-
-#if ANNA_AMX && defined(__AVX512F__)
-/* Prompt attention on AMX bf16 tiles (the amx level's build; emulated in the tests' build): the
- * same attention as above, with both products as TDPBF16PS tile products. On a 2-vCPU AMX Xeon
- * torch's SDPA in bf16 (oneDNN's tiles) ran 2-3x the vdpbf16ps kernel at 256-2,048 tokens, and
- * this ran 1.4-2x SDPA at 64-2,048 (benchmarks/attention_bench.py --prefill), without SDPA's
- * fp32 <-> bf16 copies around it.
+#ifdef __AVX512F__
+/* Prompt attention in bf16, transposed: the same attention as above with both products in bf16,
+ * on AMX tiles (TDPBF16PS; the amx level's build, emulated in the tests' build) or on vdpbf16ps
+ * (the avx512 levels' builds, on CPUs with AVX512-BF16). On a 2-vCPU AMX Xeon the tiles (with
+ * items of one head's 16 positions then) ran 1.4-2x torch's SDPA in bf16 (oneDNN's tiles) at
+ * 64-2,048 tokens, without SDPA's fp32 <-> bf16 copies around it. On a 2-core Zen 4 vdpbf16ps in
+ * this order ran 1.25-1.7x the same products in a kernel of rows (each row's softmax alone, with
+ * horizontal sums) at 16-2,048 tokens: 319-329 GFLOPS at 2,048, 2.7x SDPA in bf16
+ * (benchmarks/attention_bench.py --prefill).
  *
- * Transposed, so that a row's softmax bookkeeping is lane-wise: a work item is 16 positions of one
- * query head, and for each block of 64 keys the tiles give S^T = K Q^T, one key per tile row and
- * the 16 positions across it. The running maximum, sum and rescaling are then vectors over the 16
- * positions (no horizontal reductions, no per-row branches); the probabilities go back to the
- * tiles as P^T in TDPBF16PS's pair layout (keys 2j, 2j + 1 of each position in one 32-bit lane),
- * and O^T = V^T P^T. Packed once per call: K as bf16 rows per KV head ([KV][Tp][D]) and V
- * transposed ([KV][D][Tv]), zero-padded to whole blocks. The exponentials are 2^x (exp2_neg), the
- * scores scaled by scale * log2(e); the probabilities are rounded to bf16 for P V, as in the
- * vdpbf16ps kernel. Needs D a multiple of 32, at most AMX_MAX_DIM. */
-#define AMX_KEYS 64
-#define AMX_ROWS 16
-#define AMX_MAX_DIM 256
+ * Transposed, so that a row's softmax bookkeeping is lane-wise: a work item is 16 rows of q that
+ * read the same KV head (row r of KV head g: position r / G of query head g G + r % G, so a chunk of
+ * one position still fills G lanes), and for each block of 64 keys the products give S^T = K Q^T,
+ * one key per row of S^T and the 16 rows of q across it. The running maximum, sum and rescaling
+ * are then vectors over the 16 rows (no horizontal reductions, no per-row branches); the
+ * probabilities go back as P^T in the pair layout of both TDPBF16PS and vdpbf16ps (keys 2j, 2j + 1
+ * of each row in one 32-bit lane), and O^T = V^T P^T. Packed once per call: K as bf16 rows per KV
+ * head ([KV][Tp][D]) and V transposed ([KV][D][Tv]), zero-padded to whole blocks. The exponentials
+ * are 2^x (exp2_neg), the scores scaled by scale * log2(e); the probabilities are rounded to bf16
+ * for P V. Needs D a multiple of 16 (of 32 on tiles), at most T_MAX_DIM. */
+#define BF16_TARGET __attribute__((target("avx512bf16")))
+#define T_KEYS 64
+#define T_ROWS 16
+#define T_MAX_DIM 256
 
 /* 2^x for x <= 0 (x < -200, -inf included, gives 0): x = n + f with n the nearest integer (adding
  * and subtracting 1.5 * 2^23 rounds it, on any FP port, where vrndscaleps takes two uops of one),
@@ -223,20 +137,20 @@ INLINE __m512 exp2_neg(__m512 x) {
 }
 
 /* fp32 a, b -> one vector of 16 bf16 pairs (a's in the low half of each lane), rounded to nearest
- * even: vcvtne2ps2bf16 and a shuffle where the build has AVX512-BF16 (the amx level's), else in
- * integer arithmetic (the emulated build's; the same bits for finite values) */
-INLINE __m512i bf16_pairs(__m512 a, __m512 b) {
-#ifdef __AVX512BF16__
-    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    const __m512i interleave = _mm512_or_si512(lane, _mm512_slli_epi32(_mm512_add_epi32(lane, _mm512_set1_epi32(16)), 16));
-    return _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(b, a));
-#else
+ * even: vcvtne2ps2bf16 and a shuffle where the CPU has AVX512-BF16 (hw: the vdpbf16ps products, or
+ * the amx level's build), else in integer arithmetic (the emulated build's, which also runs on
+ * AVX-512 CPUs without it; the same bits for finite values) */
+BF16_TARGET INLINE __m512i bf16_pairs(__m512 a, __m512 b, const int hw) {
+    if (hw) {
+        const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        const __m512i interleave = _mm512_or_si512(lane, _mm512_slli_epi32(_mm512_add_epi32(lane, _mm512_set1_epi32(16)), 16));
+        return _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(b, a));
+    }
     __m512i x = _mm512_castps_si512(a), y = _mm512_castps_si512(b), one = _mm512_set1_epi32(1),
             half = _mm512_set1_epi32(0x7FFF);
     x = _mm512_add_epi32(x, _mm512_add_epi32(half, _mm512_and_si512(_mm512_srli_epi32(x, 16), one)));
     y = _mm512_add_epi32(y, _mm512_add_epi32(half, _mm512_and_si512(_mm512_srli_epi32(y, 16), one)));
     return _mm512_or_si512(_mm512_srli_epi32(x, 16), _mm512_and_si512(y, _mm512_set1_epi32((int)0xFFFF0000)));
-#endif
 }
 
 /* the scores x of key ``key`` for positions ``pos``, -inf (stored to ``dst``) where a position does
@@ -250,16 +164,16 @@ INLINE __m512 hide_keys(__m512 x, __m512i pos, long key, long window, float *dst
     return x;
 }
 
-static void amx_pack(const float *k, const float *v, uint16_t *kh, uint16_t *vt, long T, long KV, long D, long Tp,
-                     long Tv) {
+static void pack_transposed(const float *k, const float *v, uint16_t *kh, uint16_t *vt, long T, long KV, long D,
+                            long Tp, long Tv) {
     const __m512i keys = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                             _mm512_set1_epi32((int)(KV * D)));
     #pragma omp for collapse(2) schedule(static)
     for (long g = 0; g < KV; g++)
-        for (long b = 0; b < Tp / AMX_ROWS; b++) {
-            long t0 = b * AMX_ROWS;
+        for (long b = 0; b < Tp / T_ROWS; b++) {
+            long t0 = b * T_ROWS;
             __mmask16 real = t0 >= T ? 0 : T - t0 >= 16 ? 0xFFFF : (__mmask16)((1u << (T - t0)) - 1);
-            for (long t = t0; t < t0 + AMX_ROWS; t++)
+            for (long t = t0; t < t0 + T_ROWS; t++)
                 for (long d = 0; d < D; d += 16)
                     store16_bf16(kh + (g * Tp + t) * D + d, t < T ? _mm512_loadu_ps(k + (t * KV + g) * D + d)
                                                                   : _mm512_setzero_ps());
@@ -271,75 +185,133 @@ static void amx_pack(const float *k, const float *v, uint16_t *kh, uint16_t *vt,
         }
 }
 
-static void amx_causal_attention(const float *q, const float *k, const float *v, float *out, long Tq, long T,
-                                 long H, long KV, long D, float scale, long window, int threads) {
-    const long G = H / KV, offset = T - Tq, Tp = (T + AMX_KEYS - 1) / AMX_KEYS * AMX_KEYS;
-    const long nqb = (Tq + AMX_ROWS - 1) / AMX_ROWS, steps = D / 32;
-    /* V^T's rows are Tv keys apart, not Tp: at Tp = 2,048 a tile's 16 rows 4 KB apart would all fall
-     * in one L1 set (12 ways) and evict each other on every load */
+#define PAIR(p) ((__m512bh)_mm512_set1_epi32(*(const int32_t *)(p))) /* two bf16 values, in every 32-bit lane */
+
+/* S^T for keys [0, n) of a block (n <= 64, a multiple of 16): s[c][16 rows] = K row c . Q^T,
+ * 16 keys at a time, each key's pair of dimensions broadcast against the 16 rows' pairs */
+BF16_TARGET INLINE void dot_scores(const uint32_t *qt, const uint16_t *kb, long D, long n, float *s) {
+    for (long c0 = 0; c0 < n; c0 += 16) {
+        __m512 acc[16];
+        for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
+        const uint16_t *kr = kb + c0 * D;
+        for (long j = 0; j < D / 2; j++) {
+            const __m512bh qv = (__m512bh)_mm512_load_si512(qt + j * T_ROWS);
+            for (int i = 0; i < 16; i++) acc[i] = _mm512_dpbf16_ps(acc[i], qv, PAIR(kr + i * D + 2 * j));
+        }
+        for (int i = 0; i < 16; i++) _mm512_store_ps(s + (c0 + i) * T_ROWS, acc[i]);
+    }
+}
+
+/* O^T = O^T alpha + V^T P^T over the first `pairs` pairs of the block's keys, 16 dimensions at a
+ * time: each dimension's pair of values broadcast against the 16 rows' pairs of probabilities */
+BF16_TARGET INLINE void dot_weighted(const uint32_t *pt, const uint16_t *vb, long Tv, long D, long pairs, __m512 alpha,
+                                     float *o) {
+    for (long d0 = 0; d0 < D; d0 += 16) {
+        __m512 acc[16];
+        for (int i = 0; i < 16; i++) acc[i] = _mm512_mul_ps(_mm512_load_ps(o + (d0 + i) * T_ROWS), alpha);
+        const uint16_t *vr = vb + d0 * Tv;
+        for (long j = 0; j < pairs; j++) {
+            const __m512bh pv = (__m512bh)_mm512_load_si512(pt + j * T_ROWS);
+            for (int i = 0; i < 16; i++) acc[i] = _mm512_dpbf16_ps(acc[i], pv, PAIR(vr + i * Tv + 2 * j));
+        }
+        for (int i = 0; i < 16; i++) _mm512_store_ps(o + (d0 + i) * T_ROWS, acc[i]);
+    }
+}
+
+/* The transposed attention (see above); tiles: the products on AMX tiles, else on vdpbf16ps. */
+BF16_TARGET INLINE void transposed_attention(const float *q, const float *k, const float *v, float *out, long Tq,
+                                             long T, long H, long KV, long D, float scale, long window, int threads,
+                                             const int tiles) {
+    const long G = H / KV, offset = T - Tq, Tp = (T + T_KEYS - 1) / T_KEYS * T_KEYS;
+    const long kv_rows = Tq * G, nrb = (kv_rows + T_ROWS - 1) / T_ROWS;  /* a KV head's rows of q, in items */
+    /* V^T's rows are Tv keys apart, not Tp: at Tp = 2,048 16 rows 4 KB apart would all fall in one
+     * L1 set (12 ways) and evict each other on every pass */
     const long Tv = Tp + 32;
+#ifdef __AVX512BF16__
+    const int hw = 1;
+#else
+    const int hw = !tiles;
+#endif
     uint16_t *kh = (uint16_t *)aligned_alloc(64, sizeof(uint16_t) * KV * Tp * D);
     uint16_t *vt = (uint16_t *)aligned_alloc(64, sizeof(uint16_t) * KV * Tv * D);
     const float scale2 = scale * 1.44269504088896341f;  /* scores in log2 units: exp(x) = 2^(x log2 e) */
-    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     #pragma omp parallel num_threads(threads)
     {
-        amx_pack(k, v, kh, vt, T, KV, D, Tp, Tv);
-        amx_config cfg;
-        memset(&cfg, 0, sizeof cfg);
-        cfg.palette = 1;
-        for (int t = 0; t < 7; t++) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }  /* 0-3: C, 4-5: B, 6: A */
-        AMX_LOAD_CONFIG(&cfg);
+        pack_transposed(k, v, kh, vt, T, KV, D, Tp, Tv);
+#if ANNA_AMX
+        if (tiles) {
+            amx_config cfg;
+            memset(&cfg, 0, sizeof cfg);
+            cfg.palette = 1;
+            for (int t = 0; t < 7; t++) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }  /* 0-3: C, 4-5: B, 6: A */
+            AMX_LOAD_CONFIG(&cfg);
+        }
+#endif
         /* flush denormals: 2^x of a hidden key (-inf) or a far smaller score underflows, and each
          * vector with such a lane took a microcode assist (half the softmax's time on an AMX Xeon) */
         const unsigned int csr = _mm_getcsr();
         _mm_setcsr(csr | 0x8040);
-        uint32_t qt[AMX_MAX_DIM / 2 * AMX_ROWS] __attribute__((aligned(64)));  /* Q^T: [D / 2][16] bf16 pairs */
-        uint32_t pt[AMX_KEYS / 2 * AMX_ROWS] __attribute__((aligned(64)));    /* P^T: [32][16] bf16 pairs */
-        float s[AMX_KEYS * AMX_ROWS] __attribute__((aligned(64)));            /* S^T: [64][16] */
-        float pv[AMX_MAX_DIM * AMX_ROWS] __attribute__((aligned(64)));        /* a block's (P V)^T */
-        float o[AMX_MAX_DIM * AMX_ROWS] __attribute__((aligned(64)));         /* O^T: [D][16] */
+        uint32_t qt[T_MAX_DIM / 2 * T_ROWS] __attribute__((aligned(64)));  /* Q^T: [D / 2][16] bf16 pairs */
+        uint32_t pt[T_KEYS / 2 * T_ROWS] __attribute__((aligned(64)));     /* P^T: [32][16] bf16 pairs */
+        float s[T_KEYS * T_ROWS] __attribute__((aligned(64)));             /* S^T: [64][16] */
+        float o[T_MAX_DIM * T_ROWS] __attribute__((aligned(64)));          /* O^T: [D][16] */
+        int32_t lane_pos[T_ROWS] __attribute__((aligned(64))), lane_row[T_ROWS] __attribute__((aligned(64)));
         #pragma omp for schedule(dynamic, 1)
-        for (long item = 0; item < H * nqb; item++) {
-            const long h = item % H, g = h / G, p0 = (nqb - 1 - item / H) * AMX_ROWS;  /* longest rows first */
-            const long rows = Tq - p0 < AMX_ROWS ? Tq - p0 : AMX_ROWS, first = offset + p0, last = first + rows - 1;
-            const __mmask16 real = rows == AMX_ROWS ? 0xFFFF : (__mmask16)((1u << rows) - 1);
-            const __m512i pos = _mm512_add_epi32(lane, _mm512_set1_epi32((int)first));
-            const __m512i row_offsets = _mm512_mullo_epi32(lane, _mm512_set1_epi32((int)(H * D)));
-            const float *qh = q + (p0 * H + h) * D;
-            for (long j = 0; j < D / 2; j++)  /* dimensions 2j, 2j + 1 of the 16 positions */
-                _mm512_store_si512(qt + j * AMX_ROWS, bf16_pairs(
-                    _mm512_mask_i32gather_ps(_mm512_setzero_ps(), real, row_offsets, qh + 2 * j, 4),
-                    _mm512_mask_i32gather_ps(_mm512_setzero_ps(), real, row_offsets, qh + 2 * j + 1, 4)));
+        for (long item = 0; item < KV * nrb; item++) {
+            /* rows r0 .. r0 + 16 of KV head g: row r is position r / G of query head g G + r % G */
+            const long g = item % KV, r0 = (nrb - 1 - item / KV) * T_ROWS;  /* longest rows first */
+            const long rows = kv_rows - r0 < T_ROWS ? kv_rows - r0 : T_ROWS;
+            const long first = offset + r0 / G, last = offset + (r0 + rows - 1) / G;
+            for (long i = 0; i < T_ROWS; i++) {  /* (lanes past the last row repeat it, unread and unwritten) */
+                const long r = r0 + (i < rows ? i : rows - 1);
+                lane_pos[i] = (int32_t)(offset + r / G);
+                lane_row[i] = (int32_t)((r / G * H + g * G + r % G) * D);
+            }
+            const __mmask16 real = rows == T_ROWS ? 0xFFFF : (__mmask16)((1u << rows) - 1);
+            const __m512i pos = _mm512_load_si512(lane_pos), row_offsets = _mm512_load_si512(lane_row);
+            for (long j = 0; j < D / 2; j++)  /* dimensions 2j, 2j + 1 of the 16 rows */
+                _mm512_store_si512(qt + j * T_ROWS, bf16_pairs(
+                    _mm512_mask_i32gather_ps(_mm512_setzero_ps(), real, row_offsets, q + 2 * j, 4),
+                    _mm512_mask_i32gather_ps(_mm512_setzero_ps(), real, row_offsets, q + 2 * j + 1, 4), hw));
             __m512 m = _mm512_set1_ps(-1e30f), l = _mm512_setzero_ps();  /* finite: no inf - inf */
-            for (long d = 0; d < D; d++) _mm512_store_ps(o + d * AMX_ROWS, _mm512_setzero_ps());
+            for (long d = 0; d < D; d++) _mm512_store_ps(o + d * T_ROWS, _mm512_setzero_ps());
             const long lo = window > 0 && first >= window ? first - window + 1 : 0;
-            for (long c0 = lo / AMX_KEYS * AMX_KEYS; c0 <= last; c0 += AMX_KEYS) {
+            for (long c0 = lo / T_KEYS * T_KEYS; c0 <= last; c0 += T_KEYS) {
                 const uint16_t *kb = kh + (g * Tp + c0) * D;
-                AMX_ZERO(0); AMX_ZERO(1); AMX_ZERO(2); AMX_ZERO(3);  /* (tile numbers: constants) */
-                for (long st = 0; st < steps; st++) {
-                    AMX_LOAD(4, qt + st * 16 * AMX_ROWS, 64);
-                    AMX_LOAD(6, kb + 32 * st, D * 2); AMX_DPBF16PS(0, 6, 4);
-                    AMX_LOAD(6, kb + 16 * D + 32 * st, D * 2); AMX_DPBF16PS(1, 6, 4);
-                    AMX_LOAD(6, kb + 32 * D + 32 * st, D * 2); AMX_DPBF16PS(2, 6, 4);
-                    AMX_LOAD(6, kb + 48 * D + 32 * st, D * 2); AMX_DPBF16PS(3, 6, 4);
+                /* the keys any of the positions sees end at `last`: in the block on the diagonal the
+                 * vdpbf16ps products stop at the 16 keys (scores) and the pairs (P V) that hold it */
+                const long seen = last - c0 + 1 < T_KEYS ? last - c0 + 1 : T_KEYS;
+                if (!tiles) dot_scores(qt, kb, D, (seen + 15) / 16 * 16, s);
+#if ANNA_AMX
+                if (tiles) {
+                    const long steps = D / 32;
+                    AMX_ZERO(0); AMX_ZERO(1); AMX_ZERO(2); AMX_ZERO(3);  /* (tile numbers: constants) */
+                    for (long st = 0; st < steps; st++) {
+                        AMX_LOAD(4, qt + st * 16 * T_ROWS, 64);
+                        AMX_LOAD(6, kb + 32 * st, D * 2); AMX_DPBF16PS(0, 6, 4);
+                        AMX_LOAD(6, kb + 16 * D + 32 * st, D * 2); AMX_DPBF16PS(1, 6, 4);
+                        AMX_LOAD(6, kb + 32 * D + 32 * st, D * 2); AMX_DPBF16PS(2, 6, 4);
+                        AMX_LOAD(6, kb + 48 * D + 32 * st, D * 2); AMX_DPBF16PS(3, 6, 4);
+                    }
+                    AMX_STORE(0, s, 64); AMX_STORE(1, s + 16 * T_ROWS, 64);
+                    AMX_STORE(2, s + 32 * T_ROWS, 64); AMX_STORE(3, s + 48 * T_ROWS, 64);
                 }
-                AMX_STORE(0, s, 64); AMX_STORE(1, s + 16 * AMX_ROWS, 64);
-                AMX_STORE(2, s + 32 * AMX_ROWS, 64); AMX_STORE(3, s + 48 * AMX_ROWS, 64);
-                /* key c0 + c is visible to position p when c0 + c <= p and, with a window, p - (c0 + c) < window */
-                const int masked = c0 + AMX_KEYS - 1 > first || (window > 0 && c0 <= last - window);
+#endif
+                /* key c0 + c is visible to position p when c0 + c <= p and, with a window, p - (c0 + c) < window
+                 * (the keys past `seen`, whose scores were not computed, are hidden here: c0 + seen > last) */
+                const int masked = c0 + T_KEYS - 1 > first || (window > 0 && c0 <= last - window);
                 /* the block's largest raw scores (scale2 > 0: the largest scaled ones too), and below the
                  * sums, in four registers each: the loops are unrolled by hand so that four independent
                  * chains are in flight (an array indexed by c % 4 would live in memory) */
                 __m512 top0 = _mm512_set1_ps(-INFINITY), top1 = top0, top2 = top0, top3 = top0;
-                for (long c = 0; c < AMX_KEYS; c += 4) {
-                    __m512 x0 = _mm512_load_ps(s + c * AMX_ROWS), x1 = _mm512_load_ps(s + (c + 1) * AMX_ROWS),
-                           x2 = _mm512_load_ps(s + (c + 2) * AMX_ROWS), x3 = _mm512_load_ps(s + (c + 3) * AMX_ROWS);
+                for (long c = 0; c < T_KEYS; c += 4) {
+                    __m512 x0 = _mm512_load_ps(s + c * T_ROWS), x1 = _mm512_load_ps(s + (c + 1) * T_ROWS),
+                           x2 = _mm512_load_ps(s + (c + 2) * T_ROWS), x3 = _mm512_load_ps(s + (c + 3) * T_ROWS);
                     if (masked) {
-                        x0 = hide_keys(x0, pos, c0 + c, window, s + c * AMX_ROWS);
-                        x1 = hide_keys(x1, pos, c0 + c + 1, window, s + (c + 1) * AMX_ROWS);
-                        x2 = hide_keys(x2, pos, c0 + c + 2, window, s + (c + 2) * AMX_ROWS);
-                        x3 = hide_keys(x3, pos, c0 + c + 3, window, s + (c + 3) * AMX_ROWS);
+                        x0 = hide_keys(x0, pos, c0 + c, window, s + c * T_ROWS);
+                        x1 = hide_keys(x1, pos, c0 + c + 1, window, s + (c + 1) * T_ROWS);
+                        x2 = hide_keys(x2, pos, c0 + c + 2, window, s + (c + 2) * T_ROWS);
+                        x3 = hide_keys(x3, pos, c0 + c + 3, window, s + (c + 3) * T_ROWS);
                     }
                     top0 = _mm512_max_ps(top0, x0), top1 = _mm512_max_ps(top1, x1);
                     top2 = _mm512_max_ps(top2, x2), top3 = _mm512_max_ps(top3, x3);
@@ -350,88 +322,97 @@ static void amx_causal_attention(const float *q, const float *k, const float *v,
                 const __m512 alpha = exp2_neg(_mm512_sub_ps(m, m_new));
                 m = m_new;
                 __m512 sum0 = _mm512_setzero_ps(), sum1 = sum0, sum2 = sum0, sum3 = sum0;
-                for (long c = 0; c < AMX_KEYS; c += 4) {  /* e = 2^(s scale2 - m); a hidden key's -inf gives 0 */
-                    __m512 e0 = exp2_neg(_mm512_fmsub_ps(_mm512_load_ps(s + c * AMX_ROWS), sc, m));
-                    __m512 e1 = exp2_neg(_mm512_fmsub_ps(_mm512_load_ps(s + (c + 1) * AMX_ROWS), sc, m));
-                    __m512 e2 = exp2_neg(_mm512_fmsub_ps(_mm512_load_ps(s + (c + 2) * AMX_ROWS), sc, m));
-                    __m512 e3 = exp2_neg(_mm512_fmsub_ps(_mm512_load_ps(s + (c + 3) * AMX_ROWS), sc, m));
+                for (long c = 0; c < T_KEYS; c += 4) {  /* e = 2^(s scale2 - m); a hidden key's -inf gives 0 */
+                    __m512 e0 = exp2_neg(_mm512_fmsub_ps(_mm512_load_ps(s + c * T_ROWS), sc, m));
+                    __m512 e1 = exp2_neg(_mm512_fmsub_ps(_mm512_load_ps(s + (c + 1) * T_ROWS), sc, m));
+                    __m512 e2 = exp2_neg(_mm512_fmsub_ps(_mm512_load_ps(s + (c + 2) * T_ROWS), sc, m));
+                    __m512 e3 = exp2_neg(_mm512_fmsub_ps(_mm512_load_ps(s + (c + 3) * T_ROWS), sc, m));
                     sum0 = _mm512_add_ps(sum0, e0), sum1 = _mm512_add_ps(sum1, e1);
                     sum2 = _mm512_add_ps(sum2, e2), sum3 = _mm512_add_ps(sum3, e3);
-                    _mm512_store_si512(pt + c / 2 * AMX_ROWS, bf16_pairs(e0, e1));
-                    _mm512_store_si512(pt + (c / 2 + 1) * AMX_ROWS, bf16_pairs(e2, e3));
+                    _mm512_store_si512(pt + c / 2 * T_ROWS, bf16_pairs(e0, e1, hw));
+                    _mm512_store_si512(pt + (c / 2 + 1) * T_ROWS, bf16_pairs(e2, e3, hw));
                 }
                 const __m512 sums = _mm512_add_ps(_mm512_add_ps(sum0, sum1), _mm512_add_ps(sum2, sum3));
                 l = _mm512_fmadd_ps(l, alpha, sums);
-                AMX_LOAD(4, pt, 64);
-                AMX_LOAD(5, pt + 16 * AMX_ROWS, 64);
                 const uint16_t *vb = vt + g * D * Tv + c0;
+                if (!tiles) dot_weighted(pt, vb, Tv, D, (seen + 1) / 2, alpha, o);
+#if ANNA_AMX
+                if (tiles) {
+                    float pv[T_MAX_DIM * T_ROWS] __attribute__((aligned(64)));  /* the block's (P V)^T */
+                    AMX_LOAD(4, pt, 64);
+                    AMX_LOAD(5, pt + 16 * T_ROWS, 64);
 #define AMX_PV_TILE(u)                                                                                 \
     AMX_ZERO(u);                                                                                        \
     AMX_LOAD(6, vb + (d0 + 16 * u) * Tv, Tv * 2); AMX_DPBF16PS(u, 6, 4);                               \
     AMX_LOAD(6, vb + (d0 + 16 * u) * Tv + 32, Tv * 2); AMX_DPBF16PS(u, 6, 5);                          \
-    AMX_STORE(u, pv + (d0 + 16 * u) * AMX_ROWS, 64);
-                for (long d0 = 0; d0 < D; d0 += 32) {  /* 16 dimensions per C tile, two at a time */
-                    AMX_PV_TILE(0)
-                    AMX_PV_TILE(1)
-                }
+    AMX_STORE(u, pv + (d0 + 16 * u) * T_ROWS, 64);
+                    for (long d0 = 0; d0 < D; d0 += 32) {  /* 16 dimensions per C tile, two at a time */
+                        AMX_PV_TILE(0)
+                        AMX_PV_TILE(1)
+                    }
 #undef AMX_PV_TILE
-                for (long d = 0; d < D; d++)
-                    _mm512_store_ps(o + d * AMX_ROWS, _mm512_fmadd_ps(_mm512_load_ps(o + d * AMX_ROWS), alpha,
-                                                                      _mm512_load_ps(pv + d * AMX_ROWS)));
+                    for (long d = 0; d < D; d++)
+                        _mm512_store_ps(o + d * T_ROWS, _mm512_fmadd_ps(_mm512_load_ps(o + d * T_ROWS), alpha,
+                                                                        _mm512_load_ps(pv + d * T_ROWS)));
+                }
+#endif
             }
             const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.0f), l);
-            float *dst = out + (p0 * H + h) * D;
             for (long d = 0; d < D; d++)
-                _mm512_mask_i32scatter_ps(dst + d, real, row_offsets, _mm512_mul_ps(_mm512_load_ps(o + d * AMX_ROWS), inv), 4);
+                _mm512_mask_i32scatter_ps(out + d, real, row_offsets, _mm512_mul_ps(_mm512_load_ps(o + d * T_ROWS), inv), 4);
         }
-        AMX_RELEASE();
+#if ANNA_AMX
+        if (tiles) AMX_RELEASE();
+#endif
         _mm_setcsr(csr);  /* (the caller's thread keeps its own floating-point mode) */
     }
     free(kh);
     free(vt);
 }
+
+#if ANNA_AMX
+BF16_TARGET static void tile_causal_attention(const float *q, const float *k, const float *v, float *out, long Tq,
+                                              long T, long H, long KV, long D, float scale, long window, int threads) {
+    transposed_attention(q, k, v, out, Tq, T, H, KV, D, scale, window, threads, 1);
+}
 #endif
 
-/* D: a multiple of 8 (kernels.py routes other head sizes to torch); bf16 (see above) needs D a
- * multiple of 16 and the avx512 levels' build, and runs fp32 otherwise. */
+BF16_TARGET static void dot_causal_attention(const float *q, const float *k, const float *v, float *out, long Tq,
+                                             long T, long H, long KV, long D, float scale, long window, int threads) {
+    transposed_attention(q, k, v, out, Tq, T, H, KV, D, scale, window, threads, 0);
+}
+#endif
+
+/* D: a multiple of 8 (kernels.py routes other head sizes to torch); bf16 (the transposed kernel
+ * above) needs D a multiple of 16, at most T_MAX_DIM, and the avx512 levels' build, and runs fp32
+ * otherwise. */
 void anna_causal_attention(const float *q, const float *k, const float *v, float *out, long Tq, long T, long H,
                            long KV, long D, float scale, long window, int bf16, int threads) {
     long G = H / KV, nqb = (Tq + BQ - 1) / BQ, nkb = (T + BK - 1) / BK, Tp = nkb * BK, offset = T - Tq;
-#if ANNA_AMX && defined(__AVX512F__)
-    if (bf16 && D % 32 == 0 && D <= AMX_MAX_DIM) {
-        amx_causal_attention(q, k, v, out, Tq, T, H, KV, D, scale, window, threads);
+#ifdef __AVX512F__
+    if (bf16 && D % 16 == 0 && D <= T_MAX_DIM) {
+#if ANNA_AMX
+        if (D % 32 == 0) {
+            tile_causal_attention(q, k, v, out, Tq, T, H, KV, D, scale, window, threads);
+            return;
+        }
+#endif
+        dot_causal_attention(q, k, v, out, Tq, T, H, KV, D, scale, window, threads);
         return;
     }
-#endif
-#ifdef __AVX512F__
-    bf16 = bf16 && D % 16 == 0;
 #else
-    bf16 = 0;
+    (void)bf16;  /* (the avx2 build has no bf16 products) */
 #endif
-    float *kt = NULL, *vh = NULL;
-    uint16_t *qh = NULL, *kp = NULL, *vp = NULL;  /* bf16: q, K, V rounded (pack_bf16) */
-    if (bf16) {
-        qh = (uint16_t *)aligned_alloc(64, sizeof(uint16_t) * Tq * H * D + 64);
-        kp = (uint16_t *)aligned_alloc(64, sizeof(uint16_t) * KV * D * Tp);
-        vp = (uint16_t *)aligned_alloc(64, sizeof(uint16_t) * KV * D * Tp);
-    } else {
-        kt = (float *)aligned_alloc(64, sizeof(float) * KV * D * Tp);
-        vh = (float *)aligned_alloc(64, sizeof(float) * KV * D * Tp);
-    }
+    float *kt = (float *)aligned_alloc(64, sizeof(float) * KV * D * Tp);
+    float *vh = (float *)aligned_alloc(64, sizeof(float) * KV * D * Tp);
     #pragma omp parallel num_threads(threads)
     {
-        if (bf16)
-            pack_bf16(q, k, v, qh, kp, vp, Tq, H, T, KV, D, nkb);
-        else
-            pack_fp32(k, v, kt, vh, T, KV, D, nkb);
+        pack_fp32(k, v, kt, vh, T, KV, D, nkb);
         long max_rows = BQ * G;
         float *S = (float *)aligned_alloc(64, sizeof(float) * max_rows * BK);
         float *O = (float *)aligned_alloc(64, sizeof(float) * max_rows * D);
-        uint16_t *P = bf16 ? (uint16_t *)aligned_alloc(64, sizeof(uint16_t) * max_rows * BK) : NULL;  /* S's probabilities */
         float *row_max = (float *)malloc(sizeof(float) * max_rows), *row_sum = (float *)malloc(sizeof(float) * max_rows);
-        long *row_lo = (long *)malloc(sizeof(long) * max_rows), *row_end = (long *)malloc(sizeof(long) * max_rows);
         const float **qr = (const float **)malloc(sizeof(float *) * (max_rows + ROWS_PER_TILE));
-        const uint16_t **qbr = (const uint16_t **)malloc(sizeof(uint16_t *) * max_rows);
         #pragma omp for schedule(dynamic, 1)
         for (long item = 0; item < KV * nqb; item++) {
             long qb = nqb - 1 - item / KV, g = item % KV;  /* the longest rows first */
@@ -441,7 +422,6 @@ void anna_causal_attention(const float *q, const float *k, const float *v, float
             for (long r = 0; r < rows; r++) {
                 long row = (p0 + r / G) * H + g * G + r % G;
                 qr[r] = q + row * D;
-                if (bf16) qbr[r] = qh + row * D;
                 row_max[r] = -INFINITY;
                 row_sum[r] = 0.0f;
             }
@@ -449,15 +429,9 @@ void anna_causal_attention(const float *q, const float *k, const float *v, float
             memset(O, 0, sizeof(float) * rows * D);
             for (long c0 = first_key / BK * BK; c0 < end; c0 += BK) {
                 long cols = min_l(BK, end - c0);
-                long tiles = bf16 ? BK / KEYS_PER_TILE : (cols + KEYS_PER_TILE - 1) / KEYS_PER_TILE;
+                long tiles = (cols + KEYS_PER_TILE - 1) / KEYS_PER_TILE;
                 for (long r0 = 0; r0 < rows; r0 += ROWS_PER_TILE) {
                     int n = (int)min_l(ROWS_PER_TILE, rows - r0);
-#ifdef __AVX512F__
-                    if (bf16) {
-                        score_rows_bf16(n, qbr + r0, kp + (g * nkb + c0 / BK) * D * BK, D, S, r0);
-                        continue;
-                    }
-#endif
                     const float *kb = kt + (g * nkb + c0 / BK) * D * BK;
                     for (long t = 0; t < tiles; t++) {
                         if (n == ROWS_PER_TILE)
@@ -471,11 +445,7 @@ void anna_causal_attention(const float *q, const float *k, const float *v, float
                     /* this row's keys in the block: [lo, valid), up to its position and within its window */
                     long pos = offset + p0 + r / G, valid = min_l(cols, pos - c0 + 1);
                     long lo = window > 0 && pos - window + 1 > c0 ? pos - window + 1 - c0 : 0;
-                    row_lo[r] = lo, row_end[r] = valid;
-                    if (valid <= lo) {
-                        if (bf16) memset(P + r * BK, 0, sizeof(uint16_t) * BK);
-                        continue;
-                    }
+                    if (valid <= lo) continue;
                     float *s = S + r * BK;
                     for (long c = 0; c < lo; c++) s[c] = -INFINITY;
                     for (long c = valid; c < width; c++) s[c] = -INFINITY;
@@ -501,26 +471,8 @@ void anna_causal_attention(const float *q, const float *k, const float *v, float
                     float *o = O + r * D;
                     if (alpha != 1.0f)
                         for (long d = 0; d < D; d++) o[d] *= alpha;
-                    if (bf16)
-                        for (long c = 0; c < width; c += 8) store8_bf16(P + r * BK + c, _mm256_loadu_ps(s + c));
-                    else
-                        add_weighted_rows(o, s + lo, (int)(valid - lo), vh + (g * Tp + c0 + lo) * D, D, D);
+                    add_weighted_rows(o, s + lo, (int)(valid - lo), vh + (g * Tp + c0 + lo) * D, D, D);
                 }
-#ifdef __AVX512F__
-                if (bf16)  /* tiles of rows over the keys any of them sees (the others' P are 0) */
-                    for (long r0 = 0; r0 < rows; r0 += ROWS_PER_TILE) {
-                        int n = (int)min_l(ROWS_PER_TILE, rows - r0);
-                        long c_lo = BK, c_end = 0;
-                        for (long r = r0; r < r0 + n; r++)
-                            if (row_end[r] > row_lo[r]) {
-                                c_lo = min_l(c_lo, row_lo[r]);
-                                c_end = row_end[r] > c_end ? row_end[r] : c_end;
-                            }
-                        if (c_end > c_lo)
-                            weighted_rows_bf16(n, P + r0 * BK, c_lo & ~1L, (c_end + 1) & ~1L, vp + (g * Tp + c0) * D,
-                                               D, O + r0 * D);
-                    }
-#endif
             }
             for (long r = 0; r < rows; r++) {
                 float inv = 1.0f / row_sum[r], *dst = out + ((p0 + r / G) * H + g * G + r % G) * D;
@@ -529,17 +481,10 @@ void anna_causal_attention(const float *q, const float *k, const float *v, float
         }
         free(S);
         free(O);
-        free(P);
         free(row_max);
         free(row_sum);
-        free(row_lo);
-        free(row_end);
         free(qr);
-        free(qbr);
     }
     free(kt);
     free(vh);
-    free(qh);
-    free(kp);
-    free(vp);
 }
