@@ -378,11 +378,12 @@ def _check_bf16_attention(kernels, lengths: list[int], heads: int, kv_heads: int
             assert error < fp32_error, (tokens, context, window, error, fp32_error)
 
 
-@pytest.mark.parametrize("heads, kv_heads, dim", [(14, 2, 64), (4, 4, 128), (6, 3, 80), (2, 1, 16)])
+@pytest.mark.parametrize("heads, kv_heads, dim", [(14, 2, 64), (4, 4, 128), (6, 3, 80), (2, 1, 16), (2, 2, 256)])
 def test_bf16_prefill_attention_is_exact_attention_of_the_rounded_inputs(kernels, heads, kv_heads, dim):
     """bf16=True (vdpbf16ps; at the amx level AMX tiles for the head sizes they take) as
     _check_bf16_attention says: the lengths, cached prefixes and sliding windows of the fp32 test
-    above, on head sizes that are whole 64-column passes, 64 + 16 and a single vector."""
+    above, on head sizes that are whole 64-column passes, 64 + 16, a single vector and the largest
+    the bf16 kernel takes."""
     bf16_dot(kernels)
     _check_bf16_attention(kernels, [*range(1, 131, 3), 130, 300], heads, kv_heads, dim, seed=5)
 
