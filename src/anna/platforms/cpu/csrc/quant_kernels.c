@@ -352,6 +352,17 @@ INLINE void lane_tile_s8(int TW, int TM, const int8_t *w, const void *ws, long G
 
 #if ANNA_VNNI
 /* A 16-row tile's TM output rows of 16, written past the caches when `stream` (STREAM_MIN_BYTES) */
+/* A unit's 16 group scales (fp16, in the blocks' layout) for run b */
+INLINE __m512 run_scales16(const void *ws, long b, int gshift) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)ws + (b >> gshift) * 2 * LANE_ROWS)));
+}
+
+/* int8 with a scale per row: the unit's 16 row scales (fp32) times the summed runs, plus the bias */
+INLINE void apply_row_scales16(__m512 *accf, int TM, const void *ws, const float *bias) {
+    __m512 rs = _mm512_loadu_ps((const float *)ws), bv = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
+    for (int m = 0; m < TM; m++) accf[m] = _mm512_fmadd_ps(accf[m], rs, bv);
+}
+
 INLINE void store_rows16(float *y, long ystride, const __m512 *accf, int TM, int stream) {
     if (stream)
         for (int m = 0; m < TM; m++) _mm512_stream_ps(y + m * ystride, accf[m]);
@@ -384,7 +395,7 @@ INLINE void lane_tile16(int TM, const uint8_t *w, const uint16_t *gs, const floa
                 acc[m] = _mm512_dpbusd_epi32(acc[m], vhi, _mm512_set1_epi32(*(const int32_t *)(xp + 16)));
             }
         }
-        __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(gs + (b >> gshift) * 2 * LANE_ROWS)));
+        __m512 scale = run_scales16(gs, b, gshift);
         for (int m = 0; m < TM; m++)
             accf[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[m]), _mm512_mul_ps(scale, _mm512_set1_ps(xs[m * blocks + b])),
                                       accf[m]);
@@ -411,18 +422,13 @@ INLINE void lane_tile16_s8(int TM, const int8_t *w, const void *ws, long G, cons
             for (int m = 0; m < TM; m++)
                 acc[m] = _mm512_dpbusd_epi32(acc[m], v, _mm512_set1_epi32(*(const int32_t *)(xq + m * K + b * 32 + 4 * l)));
         }
-        __m512 scale = G ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)ws +
-                                                                                 (b >> gshift) * 2 * LANE_ROWS)))
-                         : _mm512_setzero_ps();
+        __m512 scale = G ? run_scales16(ws, b, gshift) : _mm512_setzero_ps();
         for (int m = 0; m < TM; m++) {
             __m512 sx = _mm512_set1_ps(xs[m * blocks + b]);
             accf[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[m]), G ? _mm512_mul_ps(scale, sx) : sx, accf[m]);
         }
     }
-    if (!G) {
-        __m512 rs = _mm512_loadu_ps((const float *)ws), bv = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
-        for (int m = 0; m < TM; m++) accf[m] = _mm512_fmadd_ps(accf[m], rs, bv);
-    }
+    if (!G) apply_row_scales16(accf, TM, ws, bias);
     store_rows16(y, ystride, accf, TM, stream);
 }
 #endif
@@ -490,9 +496,7 @@ INLINE void amx_tile16(int kind, int TM, const uint8_t *tiles, const void *ws, c
         else
             AMX_DPBSSD(AMX_C, AMX_A, AMX_B);
         AMX_STORE(AMX_C, sums, 64);
-        __m512 scale = row_scales ? _mm512_setzero_ps()
-                                  : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)ws +
-                                                                                         (b >> gshift) * 2 * LANE_ROWS)));
+        __m512 scale = row_scales ? _mm512_setzero_ps() : run_scales16(ws, b, gshift);
         for (int m = 0; m < TM; m++) {
             __m512i acc = _mm512_load_si512(sums[m]);  /* int8: the sum of w x, where the lanes' sums end */
             if (kind) acc = _mm512_add_epi32(_mm512_set1_epi32(xo[m * blocks + b]), acc);
@@ -500,10 +504,7 @@ INLINE void amx_tile16(int kind, int TM, const uint8_t *tiles, const void *ws, c
             accf[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), row_scales ? sx : _mm512_mul_ps(scale, sx), accf[m]);
         }
     }
-    if (row_scales) {
-        __m512 rs = _mm512_loadu_ps((const float *)ws), bv = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
-        for (int m = 0; m < TM; m++) accf[m] = _mm512_fmadd_ps(accf[m], rs, bv);
-    }
+    if (row_scales) apply_row_scales16(accf, TM, ws, bias);
     store_rows16(y, ystride, accf, TM, stream);
 }
 
