@@ -165,10 +165,11 @@ def test_the_first_start_measures_stores_and_applies(qwen2_dir, store):
     [path] = _stored(store)
     stored = json.loads(path.read_text())
     values = stored["values"]
-    # a bf16 model on Anna's kernels; the bf16 dot products where the CPU has them
-    dot = {"cpu_bf16_dot_min_rows"} if detect_isa().bf16_matmul else set()
-    # ... or, on the avx2 level's kernels, the bound of bf16 weights widened in registers
+    # a bf16 model on Anna's kernels; the bf16 dot products where the level in use has them (the
+    # CPU's, or a lower one that ANNA_CPU_ISA forces) ...
     routing = engine.runner.model.norm.ops.routing
+    dot = {"cpu_bf16_dot_min_rows"} if routing.bf16_matmul else set()
+    # ... or, on the avx2 level's kernels, the bound of bf16 weights widened in registers
     pairs = {"cpu_bf16_pair_max_rows"} if engine.runner.model.norm.ops.kernels.widens_bf16_pairs else set()
     assert set(values) == {"cpu_gemv_max_rows", "cpu_sdpa_min_tokens", "long_prefill_token_threshold"} | dot | pairs
     assert choose(stored["measurements"]) == values  # deterministic given what it measured
@@ -242,10 +243,9 @@ def test_no_calibrate_keeps_the_built_in_values(qwen2_dir, store):
 
 
 def test_a_calibration_that_cannot_run_leaves_the_built_in_values(qwen2_dir, store, caplog):
-    from anna.platforms.cpu.isa import detect_isa
-
     engine = _engine(qwen2_dir, store, calibrate=False)
-    model, ops, isa = engine.runner.model, engine.runner.model.norm.ops, detect_isa()
+    model, ops = engine.runner.model, engine.runner.model.norm.ops
+    isa = detect_isa(force=engine.settings.cpu_isa)  # the level the engine runs (the CPU's, or a forced one)
     nothing = calibrate(model, ops, isa, cache_dir=str(store), max_chunk=2048, max_rows=64, budget_s=0.0)
     assert nothing is not None and nothing.values == {}  # no time to measure: no value replaces a built-in
 

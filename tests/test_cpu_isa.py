@@ -293,7 +293,7 @@ def test_bf16_dot_products_stay_with_transformers_through_prefill_and_fused_deco
     got, tokens = {}, {}
     for rows in (1, 0):
         llm = LLM(str(path), dtype="bfloat16", device="cpu", cache_dir=str(cache_dir), max_model_len=512,
-                  num_gpu_blocks_override=64, cpu_bf16_dot_min_rows=rows)
+                  num_gpu_blocks_override=64, cpu_bf16_dot_min_rows=rows, cpu_isa="auto")  # (not a forced level)
         assert llm.llm_engine.runner.model.norm.ops.routing.bf16_dot_rows == rows
         assert llm.llm_engine.decode_executor == "graph"  # decode runs the fused C stack
         logits, tokens[rows] = run_logits(llm.llm_engine, prompt, 8)
