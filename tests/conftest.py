@@ -161,6 +161,23 @@ def kernels_at_level(level: str, cache_dir: Path):
     return kernels
 
 
+def engine_kernel_level():
+    """The kernel level an engine started now runs (platforms/cpu/isa.py): the CPU's, or a lower one
+    that ANNA_CPU_ISA forces, as the engine's settings resolve it."""
+    from anna.core.config import ServeSettings
+    from anna.platforms.cpu.isa import detect_isa
+
+    return detect_isa(force=ServeSettings().resolve().cpu_isa)
+
+
+def skip_without_cpu_kernels() -> None:
+    """Skip, saying why, a test of Anna's CPU kernels where an engine would run none: a CPU without
+    AVX2/FMA/F16C, or ANNA_CPU_ISA=none (torch's kernels only)."""
+    isa = engine_kernel_level()
+    if isa.level == "none":
+        pytest.skip(f"Anna's CPU kernels: none at kernel level none ({isa.describe()})")
+
+
 def amx_kernels(build: str, cache_dir: Path):
     """The amx level's kernels, ``native`` (an AMX CPU) or ``emulated`` (its tile instructions in
     C, csrc/amx_tiles.h, which runs on an AVX-512 VNNI CPU); skipped, saying why, where this CPU

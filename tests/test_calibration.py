@@ -14,6 +14,7 @@ import torch
 from anna.platforms.cpu.calibration import (ATTENTION_TOKENS, CHUNK_TOKENS, DOT_ROWS, GEMV_ROWS, PAIR_ROWS, calibrate, choose,
                                             first_crossing, first_lasting_win, smallest_good_chunk)
 from anna.platforms.cpu.isa import detect_isa
+from conftest import skip_without_cpu_kernels
 
 
 @pytest.fixture
@@ -161,6 +162,7 @@ def test_a_pass_streams_enough_layers_from_memory_and_scales_to_all():
 
 
 def test_the_first_start_measures_stores_and_applies(qwen2_dir, store):
+    skip_without_cpu_kernels()  # (these settings are Anna's kernels' bounds)
     engine = _engine(qwen2_dir, store)
     [path] = _stored(store)
     stored = json.loads(path.read_text())
@@ -222,6 +224,7 @@ def test_a_stored_calibration_is_read_not_measured_and_a_new_key_measures_again(
 
 
 def test_flags_env_and_the_interactive_profile_win_over_calibrated_values(qwen2_dir, store, monkeypatch):
+    skip_without_cpu_kernels()  # (these settings are Anna's kernels' bounds)
     monkeypatch.setenv("ANNA_LONG_PREFILL_TOKEN_THRESHOLD", "300")
     engine = _engine(qwen2_dir, store, cpu_gemv_max_rows=64)
     assert engine.runner.model.norm.ops.routing.gemv_max_rows == 64
@@ -243,6 +246,7 @@ def test_no_calibrate_keeps_the_built_in_values(qwen2_dir, store):
 
 
 def test_a_calibration_that_cannot_run_leaves_the_built_in_values(qwen2_dir, store, caplog):
+    skip_without_cpu_kernels()  # (these settings are Anna's kernels' bounds)
     engine = _engine(qwen2_dir, store, calibrate=False)
     model, ops = engine.runner.model, engine.runner.model.norm.ops
     isa = detect_isa(force=engine.settings.cpu_isa)  # the level the engine runs (the CPU's, or a forced one)
@@ -313,6 +317,7 @@ def test_every_setting_is_measured_once_before_any_is_measured_again(qwen2_dir, 
 
 
 def test_anna_tune_measures_again_and_stores(qwen2_dir, store, capsys):
+    skip_without_cpu_kernels()  # (these settings are Anna's kernels' bounds)
     from anna.cli.main import main
 
     args = ["tune", str(qwen2_dir), "--dtype", "bfloat16", "--cache-dir", str(store), "--quiet",
@@ -335,6 +340,7 @@ def test_a_quantized_model_calibrates_the_packed_kernels_bound(qwen2_dir, store,
     """Each kind's packed kernel has its own bound, measured on its own layers; the other kind's
     is not measured (nothing of the model would run it), nor cpu_gemv_max_rows for an int8 model
     whose every linear layer is int8."""
+    skip_without_cpu_kernels()  # (these settings are Anna's kernels' bounds)
     engine = _engine(qwen2_dir, store, quantization=quantization, disable_int4_cache=True)
     [path] = _stored(store)
     stored = json.loads(path.read_text())

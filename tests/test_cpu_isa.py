@@ -236,9 +236,10 @@ def test_bf16_prefill_logits_stay_with_transformers(arch, hf_models, cache_dir, 
     (transformers in fp32 on the same bf16 weights) than transformers' own bf16 run is, and pick
     the same top token as often."""
     from anna import LLM
-    from conftest import VOCAB, save_hf_model
+    from conftest import VOCAB, engine_kernel_level, save_hf_model
     from helpers import hf_logits, run_logits
 
+    level = engine_kernel_level()  # the CPU's, or the one ANNA_CPU_ISA forces
     hf = copy.deepcopy(hf_models[arch][0]).to(torch.bfloat16)  # (the session's model stays fp32)
     path = save_hf_model(hf, tmp_path / arch)
     torch.manual_seed(0)
@@ -252,7 +253,7 @@ def test_bf16_prefill_logits_stay_with_transformers(arch, hf_models, cache_dir, 
                   num_gpu_blocks_override=64)
         ops = llm.llm_engine.runner.model.norm.ops  # the one ops object every layer calls
         ops.routing = dataclasses.replace(ops.routing, bf16_matmul=bf16, sdpa_min_tokens=sdpa)
-        ops.attention_dtype = torch.bfloat16 if bf16 and detect_isa().bf16_matmul else torch.float32
+        ops.attention_dtype = torch.bfloat16 if bf16 and level.bf16_matmul else torch.float32
         got[bf16, sdpa, bool(chunks)] = run_logits(llm.llm_engine, prompt, 0, chunks)[0][: len(prompt)].float()
 
     def error(logits: torch.Tensor) -> tuple[float, float]:
@@ -269,8 +270,8 @@ def test_bf16_prefill_logits_stay_with_transformers(arch, hf_models, cache_dir, 
     # without bf16 arithmetic) the two differ in their last bits only, which the o_proj's bf16 input
     # rounds away (a Zen 3 gave equal logits); that route is checked on its own by
     # test_prompt_attention_runs_on_sdpa_from_the_routed_context_length.
-    bf16_attention = detect_isa().bf16_matmul
-    if bf16_attention and not (kernels.level == "amx" and not kernels.tile_attention(dim)):  # (amx: SDPA in both)
+    anna_attention = kernels is not None  # (none: SDPA in both)
+    if level.bf16_matmul and anna_attention and not (kernels.level == "amx" and not kernels.tile_attention(dim)):  # (amx: SDPA in both)
         assert not torch.equal(got[True, 0, False], got[True, 1, False])
 
 

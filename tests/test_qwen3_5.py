@@ -15,7 +15,7 @@ import torch
 from anna import LLM, SamplingParams
 from anna.model.config import ModelLoadError, load_model_config
 from anna.runtime.engine import LLMEngine
-from conftest import COMMON, HYBRID, engine_settings, save_hf_model
+from conftest import COMMON, HYBRID, engine_settings, save_hf_model, skip_without_cpu_kernels
 from helpers import assert_logits_close, fake_quantized, hf_greedy, hf_logits, run_logits
 
 HYBRIDS = ["qwen3_5", "qwen3_5_moe", "qwen3_next"]
@@ -236,6 +236,7 @@ def test_fused_cpu_decode_stack_matches_layer_by_layer(quant, hf_models, cache_d
     """Dense Qwen3.5 decodes through the fused C stack (csrc/decode_hybrid.c) by default: four
     sequences decoding together (their state slots and KV blocks scattered) give the tokens of the
     layer-by-layer path, and the fused stack really ran."""
+    skip_without_cpu_kernels()
     model, path = hf_models["qwen3_5"]
     outputs = {}
     for executor in ("auto", "eager"):
