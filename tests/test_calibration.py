@@ -13,8 +13,7 @@ import torch
 
 from anna.platforms.cpu.calibration import (ATTENTION_TOKENS, CHUNK_TOKENS, DOT_ROWS, GEMV_ROWS, PAIR_ROWS, calibrate, choose,
                                             first_crossing, first_lasting_win, smallest_good_chunk)
-from anna.platforms.cpu.isa import detect_isa
-from conftest import skip_without_cpu_kernels
+from conftest import engine_kernel_level, skip_without_cpu_kernels
 
 
 @pytest.fixture
@@ -248,8 +247,7 @@ def test_no_calibrate_keeps_the_built_in_values(qwen2_dir, store):
 def test_a_calibration_that_cannot_run_leaves_the_built_in_values(qwen2_dir, store, caplog):
     skip_without_cpu_kernels()  # (these settings are Anna's kernels' bounds)
     engine = _engine(qwen2_dir, store, calibrate=False)
-    model, ops = engine.runner.model, engine.runner.model.norm.ops
-    isa = detect_isa(force=engine.settings.cpu_isa)  # the level the engine runs (the CPU's, or a forced one)
+    model, ops, isa = engine.runner.model, engine.runner.model.norm.ops, engine_kernel_level()
     nothing = calibrate(model, ops, isa, cache_dir=str(store), max_chunk=2048, max_rows=64, budget_s=0.0)
     assert nothing is not None and nothing.values == {}  # no time to measure: no value replaces a built-in
 

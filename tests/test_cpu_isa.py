@@ -270,8 +270,7 @@ def test_bf16_prefill_logits_stay_with_transformers(arch, hf_models, cache_dir, 
     # without bf16 arithmetic) the two differ in their last bits only, which the o_proj's bf16 input
     # rounds away (a Zen 3 gave equal logits); that route is checked on its own by
     # test_prompt_attention_runs_on_sdpa_from_the_routed_context_length.
-    anna_attention = kernels is not None  # (none: SDPA in both)
-    if level.bf16_matmul and anna_attention and not (kernels.level == "amx" and not kernels.tile_attention(dim)):  # (amx: SDPA in both)
+    if level.bf16_matmul and not (kernels.level == "amx" and not kernels.tile_attention(dim)):  # (amx: SDPA in both)
         assert not torch.equal(got[True, 0, False], got[True, 1, False])
 
 

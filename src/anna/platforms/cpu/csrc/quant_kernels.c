@@ -351,7 +351,6 @@ INLINE void lane_tile_s8(int TW, int TM, const int8_t *w, const void *ws, long G
 }
 
 #if ANNA_VNNI
-/* A 16-row tile's TM output rows of 16, written past the caches when `stream` (STREAM_MIN_BYTES) */
 /* A unit's 16 group scales (fp16, in the blocks' layout) for run b */
 INLINE __m512 run_scales16(const void *ws, long b, int gshift) {
     return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)ws + (b >> gshift) * 2 * LANE_ROWS)));
@@ -363,6 +362,7 @@ INLINE void apply_row_scales16(__m512 *accf, int TM, const void *ws, const float
     for (int m = 0; m < TM; m++) accf[m] = _mm512_fmadd_ps(accf[m], rs, bv);
 }
 
+/* A 16-row tile's TM output rows of 16, written past the caches when `stream` (STREAM_MIN_BYTES) */
 INLINE void store_rows16(float *y, long ystride, const __m512 *accf, int TM, int stream) {
     if (stream)
         for (int m = 0; m < TM; m++) _mm512_stream_ps(y + m * ystride, accf[m]);
