@@ -15,6 +15,9 @@
 # instruction on Q4_0: build it with -mno-amx-tile -mno-amx-int8 -mno-amx-bf16). Every result is
 # a file under the output folder; the CPU's name and flags are in cpu.txt.
 #
+# ROUNDS (default 3): rounds of the serving step; the summary gives each round's ratios and their
+# median.
+#
 # THREADS (default: every CPU this process may use): llama.cpp's -t, and Anna's threads through
 # OMP_NUM_THREADS, which sets torch's thread count that Anna's kernels follow.
 #
@@ -33,6 +36,7 @@ F16=${F16:?F16 GGUF}
 Q4=${Q4:?Q4_0 GGUF}
 STEPS=${STEPS:-prefill decode streams}
 CPU_ISA=${CPU_ISA:-auto}
+ROUNDS=${ROUNDS:-3}
 THREADS=${THREADS:-$(nproc)}
 export OMP_NUM_THREADS=$THREADS
 mkdir -p "$OUT"
@@ -62,25 +66,30 @@ for step in $STEPS; do
     "$LLAMA_Q4_BIN/llama-bench" -m "$Q4" -t $THREADS -p 0 -n 128 -r 3 -o json > "$OUT/llamacpp_decode_q4_0.json"
     ;;
   streams)
-    for q in none int4; do
-      for streams in 1 16; do
-        anna serve --model "$MODEL" --device cpu --quantization $q --cpu-isa $CPU_ISA --max-num-seqs 16 --port 8000 --served-model-name qwen \
-          --log-level warning > "$OUT/anna_serve_${q}_$streams.log" 2>&1 &
+    # One server per engine and format; in each of ROUNDS rounds every server answers 1 stream, then
+    # 16, a few seconds apart, so each round's ratios compare runs under the same machine speed
+    # (a shared VM's memory bandwidth moves the single stream by a third within minutes).
+    for round in $(seq 1 $ROUNDS); do
+      for q in none int4; do
+        anna serve --model "$MODEL" --device cpu --quantization $q --cpu-isa $CPU_ISA --max-num-seqs 16 --port 8000 \
+          --served-model-name qwen --log-level warning >> "$OUT/anna_serve_$q.log" 2>&1 &
         pid=$!
-        python benchmarks/server_streams.py --base-url http://127.0.0.1:8000 --model qwen --streams $streams \
-          > "$OUT/streams_anna_${q}_$streams.json"
+        for streams in 1 16; do
+          python benchmarks/server_streams.py --base-url http://127.0.0.1:8000 --model qwen --streams $streams \
+            > "$OUT/streams_anna_${q}_${streams}_r$round.json"
+        done
         kill $pid; wait $pid || true
       done
-    done
-    for gguf in "$F16" "$Q4"; do
-      name=$([ "$gguf" = "$F16" ] && echo f16 || echo q4_0)
-      for streams in 1 16; do
-        "$LLAMA_SERVER_BIN/llama-server" -m "$gguf" -t $THREADS -np $streams -c $((streams * 256)) -b 2048 -ub 512 \
-          --port 8081 > "$OUT/llama_server_${name}_$streams.log" 2>&1 &
-        pid=$!
-        python benchmarks/server_streams.py --base-url http://127.0.0.1:8081 --model qwen --streams $streams \
-          > "$OUT/streams_llamacpp_${name}_$streams.json"
-        kill $pid; wait $pid || true
+      for gguf in "$F16" "$Q4"; do
+        name=$([ "$gguf" = "$F16" ] && echo f16 || echo q4_0)
+        for streams in 1 16; do
+          "$LLAMA_SERVER_BIN/llama-server" -m "$gguf" -t $THREADS -np $streams -c $((streams * 256)) -b 2048 -ub 512 \
+            --port 8081 >> "$OUT/llama_server_${name}_$streams.log" 2>&1 &
+          pid=$!
+          python benchmarks/server_streams.py --base-url http://127.0.0.1:8081 --model qwen --streams $streams \
+            > "$OUT/streams_llamacpp_${name}_${streams}_r$round.json"
+          kill $pid; wait $pid || true
+        done
       done
     done ;;
   esac
@@ -112,11 +121,26 @@ for q in ("none", "int4"):
     if r:
         rows.append(f"decode batch 1 Anna {q}: {r['anna']['decode_tok_s']:.1f} tok/s")
 rows.append(f"decode batch 1 llama.cpp F16: {llama('llamacpp_decode_f16.json')}, Q4_0: {llama('llamacpp_decode_q4_0.json')}")
+def median(values):
+    v = sorted(values)
+    return v[len(v) // 2] if len(v) % 2 else (v[len(v) // 2 - 1] + v[len(v) // 2]) / 2
+def rounds(who, streams):
+    found = sorted(out.glob(f"streams_{who}_{streams}_r*.json"), key=lambda p: int(p.stem.rsplit("_r", 1)[1]))
+    return [json.loads(p.read_text())["best_aggregate_tok_s"] for p in found]
+def ratios(num, den):
+    return [a / b for a, b in zip(num, den)]
+def show(values, fmt):
+    return ", ".join(fmt.format(v) for v in values) + f" (median {fmt.format(median(values))})"
 for who in ("anna_none", "anna_int4", "llamacpp_f16", "llamacpp_q4_0"):
     for s in (1, 16):
-        r = read(f"streams_{who}_{s}.json")
-        if r:
-            rows.append(f"streams {who} x{s}: {r['best_aggregate_tok_s']} tok/s")
+        if r := rounds(who, s):
+            rows.append(f"streams {who} x{s}, each round: {show(r, '{:.2f}')} tok/s")
+for q, peer in (("none", "f16"), ("int4", "q4_0")):
+    one, sixteen, peer16 = rounds(f"anna_{q}", 1), rounds(f"anna_{q}", 16), rounds(f"llamacpp_{peer}", 16)
+    if one and sixteen:
+        rows.append(f"streams anna_{q} x16 / own x1, each round: {show(ratios(sixteen, one), '{:.2f}x')}")
+    if sixteen and peer16:
+        rows.append(f"streams anna_{q} x16 / llamacpp_{peer} x16, each round: {show(ratios(sixteen, peer16), '{:.2f}x')}")
 (out / "summary.txt").write_text("\n".join(rows) + "\n")
 print("\n".join(rows))
 EOF
