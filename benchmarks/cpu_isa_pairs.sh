@@ -94,10 +94,10 @@ for step in $STEPS; do
     done ;;
   esac
 done
-python - "$OUT" "$CPU_ISA" <<'EOF'
+python - "$OUT" "$CPU_ISA" "$STEPS" <<'EOF'
 import json, sys
 from pathlib import Path
-out, cpu_isa = Path(sys.argv[1]), sys.argv[2]
+out, cpu_isa, steps = Path(sys.argv[1]), sys.argv[2], sys.argv[3].split()
 def read(name):
     p = out / name
     return json.loads(p.read_text()) if p.exists() else None
@@ -114,13 +114,16 @@ for n in (512, 2048):
     r = read(f"prefill_int4_{n}_{cpu_isa}.json")
     if r:
         rows.append(f"prefill {n} int4: {r['prefill_tok_s']} tok/s")
-    rows.append(f"prefill {n} llama.cpp F16: {llama(f'llamacpp_prefill_f16_{n}.json')} tok/s, "
-                f"Q4_0: {llama(f'llamacpp_prefill_q4_0_{n}.json')} tok/s")
+    if "prefill" in steps:
+        rows.append(f"prefill {n} llama.cpp F16: {llama(f'llamacpp_prefill_f16_{n}.json')} tok/s, "
+                    f"Q4_0: {llama(f'llamacpp_prefill_q4_0_{n}.json')} tok/s")
 for q in ("none", "int4"):
     r = read(f"decode_{q}.json")
     if r:
         rows.append(f"decode batch 1 Anna {q}: {r['anna']['decode_tok_s']:.1f} tok/s")
-rows.append(f"decode batch 1 llama.cpp F16: {llama('llamacpp_decode_f16.json')}, Q4_0: {llama('llamacpp_decode_q4_0.json')}")
+if "decode" in steps:
+    rows.append(f"decode batch 1 llama.cpp F16: {llama('llamacpp_decode_f16.json')}, "
+                f"Q4_0: {llama('llamacpp_decode_q4_0.json')}")
 def median(values):
     v = sorted(values)
     return v[len(v) // 2] if len(v) % 2 else (v[len(v) // 2 - 1] + v[len(v) // 2]) / 2
