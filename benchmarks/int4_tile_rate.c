@@ -1,5 +1,5 @@
-/* The int4 kernel's own rate, without the call around it: run_int4 (csrc/quant_kernels.c, the
- * tiles that anna_qgemm's threads run) on one thread, over a unit of 16 weight rows that stays in
+/* The int4 kernel's own rate, without the call around it: run_units (csrc/quant_kernels.c; kind 1,
+ * the int4 tiles that anna_qgemm's threads run) on one thread, over a unit of 16 weight rows that stays in
  * L1 and over units streamed from memory, against the instruction ceiling that
  * benchmarks/cpu_peak.c measures. What it shows: how far the tiles themselves are from that
  * ceiling, apart from x's quantization and the parallel region (outputs of STREAM_MIN_BYTES or
@@ -22,7 +22,7 @@ static double now(void) {
     return t.tv_sec + t.tv_nsec * 1e-9;
 }
 
-/* G operations per second of run_int4 over `units` units of 16 rows, repeated to ~0.4 G MACs */
+/* G operations per second of run_units (int4) over `units` units of 16 rows, repeated to ~0.4 G MACs */
 static double rate(long M, long K, long units) {
     long N = units * 2 * LANE_ROWS, blocks = K / 32;
     uint8_t *w = aligned_alloc(64, N * K / 2);
@@ -41,7 +41,7 @@ static double rate(long M, long K, long units) {
     for (int pass = 0; pass < 5; pass++) {
         double t = now();
         for (long r = 0; r < reps; r++) {
-            run_int4(xq, xs, xo, w, ws, NULL, y, M, N, K, 32, 0, units, 0, stream);
+            run_units(1, xq, xs, xo, w, ws, NULL, y, M, N, K, 32, 0, units, 0, stream);
             __asm__ volatile("" : : "r"(y) : "memory");  /* the outputs count: the calls stay */
         }
         t = now() - t;
