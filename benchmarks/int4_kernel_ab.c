@@ -5,7 +5,8 @@
  *
  *   git show HEAD~1:src/anna/platforms/cpu/csrc/quant_kernels.c > /tmp/base.c
  *   cc -O3 -mavx2 -mfma -mf16c -fopenmp -Isrc/anna/platforms/cpu/csrc -c /tmp/base.c -o /tmp/base.o
- *   objcopy --redefine-sym anna_qgemm=base_qgemm --redefine-sym anna_dequant=base_dequant /tmp/base.o
+ *   nm -g --defined-only /tmp/base.o | awk '/ T anna_/ {print $3, "base_" substr($3, 6)}' > /tmp/base.syms
+ *   objcopy --redefine-syms=/tmp/base.syms /tmp/base.o   # every anna_* of the base build as base_*
  *   cc -O3 -mavx2 -mfma -mf16c -fopenmp benchmarks/int4_kernel_ab.c /tmp/base.o \
  *      src/anna/platforms/cpu/csrc/quant_kernels.c -o /tmp/int4_ab
  *   /tmp/int4_ab 16      # rows of x (M): 1 for batch-1 decode, 16 for 16 streams
