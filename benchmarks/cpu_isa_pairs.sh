@@ -97,6 +97,7 @@ done
 python - "$OUT" "$CPU_ISA" "$STEPS" <<'EOF'
 import json, sys
 from pathlib import Path
+from statistics import median
 out, cpu_isa, steps = Path(sys.argv[1]), sys.argv[2], sys.argv[3].split()
 def read(name):
     p = out / name
@@ -124,12 +125,9 @@ for q in ("none", "int4"):
 if "decode" in steps:
     rows.append(f"decode batch 1 llama.cpp F16: {llama('llamacpp_decode_f16.json')}, "
                 f"Q4_0: {llama('llamacpp_decode_q4_0.json')}")
-def median(values):
-    v = sorted(values)
-    return v[len(v) // 2] if len(v) % 2 else (v[len(v) // 2 - 1] + v[len(v) // 2]) / 2
 def rounds(who, streams):
     found = sorted(out.glob(f"streams_{who}_{streams}_r*.json"), key=lambda p: int(p.stem.rsplit("_r", 1)[1]))
-    return [json.loads(p.read_text())["best_aggregate_tok_s"] for p in found]
+    return [read(p.name)["best_aggregate_tok_s"] for p in found]
 def ratios(num, den):
     return [a / b for a, b in zip(num, den)]
 def show(values, fmt):

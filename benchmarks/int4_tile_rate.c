@@ -1,6 +1,6 @@
-/* The int4 kernel's own rate, without the call around it: run_units (csrc/quant_kernels.c; kind 1,
- * the int4 tiles that anna_qgemm's threads run) on one thread, over a unit of 16 weight rows that stays in
- * L1 and over units streamed from memory, against the instruction ceiling that
+/* The int4 kernel's own rate, without the call around it: run_units (csrc/quant_kernels.c; kind
+ * 1, the int4 tiles that anna_qgemm's threads run) on one thread, over a unit of 16 weight rows
+ * that stays in L1 and over units streamed from memory, against the instruction ceiling that
  * benchmarks/cpu_peak.c measures. What it shows: how far the tiles themselves are from that
  * ceiling, apart from x's quantization and the parallel region (outputs of STREAM_MIN_BYTES or
  * more are stored past the caches, as anna_qgemm stores them).
